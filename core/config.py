@@ -1,0 +1,108 @@
+"""Engine configuration: one dataclass whose field names are the `LLM` keyword arguments,
+the CLI's long flags and the YAML keys. Checked once, before any weight is loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    # Bytes of KV cache to reserve on CPU when num_kv_blocks is not given.
+    cpu_kv_cache_space: int = 1 << 30
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    scheduling_policy: str = "fcfs"
+    attention_backend: str = "torch"
+    load_format: str = "auto"
+    enforce_eager: bool = False
+    # Extra, plugin-specific settings (e.g. a policy's knobs) pass through untouched.
+    plugin_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid engine config: " + "; ".join(problems))
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(
+                f"unknown engine argument(s) {unknown}; known arguments: {sorted(names - {'model'})}"
+            )
+        return cls(model=model, **kwargs)
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            out.append(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            out.append(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            out.append(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            out.append(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            out.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            out.append(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            out.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            out.append(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            out.append(
+                f"long_prefill_token_threshold must be >= 0 (0 = off), got {self.long_prefill_token_threshold}"
+            )
+        if self.max_num_partial_prefills < 1:
+            out.append(f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            out.append(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        return out
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} was asked for but CUDA is not available")
+        return dev
+
+    def resolved_dtype(self, hf_config: Any) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        name = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(name, torch.dtype):
+            return name
+        if isinstance(name, str) and name in _DTYPES:
+            return _DTYPES[name]
+        return torch.float32

@@ -1,0 +1,126 @@
+"""KVCacheManager: which blocks each request holds, prefix-cache lookups, and stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagelm.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pagelm.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found in the cache
+
+    def record(self, num_queried: int, num_hit: int) -> None:
+        self.queries += num_queried
+        self.hits += num_hit
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Maps requests to blocks. The scheduler asks ``get_computed_blocks`` at admission and
+    ``allocate_slots`` every step; ``None`` from ``allocate_slots`` means "no room", and the
+    scheduler preempts. After every request has finished or been aborted, all blocks are free.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many of a request's blocks are already registered in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of the request, in whole blocks. Stops at the first miss.
+        At least the last token is always left to compute (its logits are needed). The
+        scheduler records the lookup in ``prefix_cache_stats`` once the request is admitted."""
+        if not self.enable_caching or request.skip_prefix_cache:
+            return [], 0
+        # A full hit still recomputes the last token: look up at most num_tokens - 1 tokens.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` (plus speculative lookahead slots) after the
+        request's computed tokens, taking ``new_computed_blocks`` (prefix hits) first::
+
+            | computed | new_computed (hits) | new tokens | lookahead |
+                                             ^ slots allocated here
+
+        Returns the newly allocated blocks, or None (nothing changed) if the pool is short.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
+        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        # Hits that sit in the free queue stop being allocatable once we take them.
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+            if not req_blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+
+        self.pool.touch(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+
+        if self.enable_caching and not request.skip_prefix_cache:
+            # Blocks full once this step's tokens are computed join the cache now: a request
+            # admitted later in the same step may hit them, since every layer writes its KV
+            # before it attends.
+            num_full = min((num_computed + num_new_tokens) // self.block_size, len(request.block_hashes))
+            done = self.num_cached_blocks.get(request.request_id, 0)
+            if num_full > done:
+                self.pool.cache_full_blocks(req_blocks[done:num_full], request.block_hashes[done:num_full])
+                self.num_cached_blocks[request.request_id] = num_full
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks, tail first so the shared prefix is evicted last."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

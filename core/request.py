@@ -1,0 +1,128 @@
+"""Request: one sequence as the engine core sees it (token ids, progress, state)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+from pagelm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+BlockHasher = Callable[["Request"], list[bytes]]
+
+
+class Request:
+    """Token ids and progress of one sequence.
+
+    ``num_computed_tokens`` counts the tokens whose KV is in the cache; the scheduler gives
+    each running request ``num_tokens - num_computed_tokens`` more this step (or a chunk of
+    them)::
+
+        | prompt_token_ids            | output_token_ids      |
+        | computed (KV cached)   | new this step            |
+        0                 num_computed_tokens          num_tokens
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        max_tokens: int | None = None,
+        block_hasher: BlockHasher | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        # Effective output budget: SamplingParams.max_tokens capped by max_model_len.
+        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens served from the prefix cache at first admission (reported to users).
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        # Prompt logprobs skip the prefix cache (their logits must be computed).
+        self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
+        self.prompt_logprobs_done = sampling_params.prompt_logprobs is None
+        self._block_hasher = block_hasher
+        self.block_hashes: list[bytes] = []
+        self._update_block_hashes()
+
+    # ---- tokens --------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    # ---- state ---------------------------------------------------------------------------
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def is_prefill_done(self) -> bool:
+        """True once every known token has its KV computed except the newest sampled one."""
+        return self.num_computed_tokens >= self.num_tokens - 1 and self.num_output_tokens > 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -1,0 +1,97 @@
+"""SamplingParams: how one prompt is decoded, with vLLM's names and validation."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+# Below this temperature a request is decoded greedily (argmax), as in vLLM.
+SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters. Invalid values raise ``ValueError`` naming the
+    parameter and its allowed range, at construction time, before any work is queued."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # Filled by the engine from generation_config / tokenizer; not a user knob.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _validate(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "an integer >= 1")
+        if self.temperature < 0.0:
+            raise bad("temperature", "a float >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "an integer >= 1, or 0 / -1 to disable")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "an integer or None")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", "in (0, 2]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1 or None")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", "an integer >= 0 or None")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
+        ):
+            raise bad("prompt_logprobs", "an integer >= 0 or None")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise bad("stop", "a non-empty string or a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
