@@ -1,0 +1,22 @@
+"""What the engine core reports per request per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagelm.worker.output import LogprobsLists
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

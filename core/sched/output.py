@@ -1,0 +1,47 @@
+"""What the scheduler tells the model runner each step. Plain data, no tensors: the whole
+decision is "which requests, how many tokens each, which new blocks"."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagelm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (first admission, or resumed after preemption,
+    in which case ``output_token_ids`` is not empty and must be recomputed too)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    need_prompt_logprobs: bool
+
+
+@dataclass
+class CachedRequestData:
+    """A request already running on the runner: only its new blocks."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # {req_id: num_tokens}: the whole scheduling decision, in batch order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests whose runner-side state must be dropped before this step.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,234 @@
+"""The scheduler: one token-budget loop over running, then waiting requests.
+
+There are no prefill and decode phases. Each step every running request is offered the
+tokens it still lacks (1 for a decode, a chunk for a prefill) until the budget
+(``max_num_batched_tokens``) or ``max_num_seqs`` runs out; the policy plugin orders the
+waiting queue and picks preemption victims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagelm.config import EngineConfig
+from pagelm.engine.core_output import EngineCoreOutput
+from pagelm.kv_cache import KVCacheManager
+from pagelm.request import Request, RequestStatus
+from pagelm.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagelm.sched.policy import SchedulingPolicy
+from pagelm.worker.output import ModelRunnerOutput
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_cache_manager: KVCacheManager,
+        policy: SchedulingPolicy,
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting = policy
+        self.max_model_len = max_model_len
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_last_step: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step loop (abort, stop string); frees their blocks."""
+        done = []
+        for req_id in request_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._free(req)
+            done.append(req)
+        return done
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        self._finished_since_last_step.add(request.request_id)
+        del self.requests[request.request_id]
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
+        self._finished_since_last_step = set()
+        budget = self.config.max_num_batched_tokens
+        new_block_ids: dict[str, list[int]] = {}
+        num_partial = 0
+
+        # Decodes first, then unfinished prefills: a long prompt never starves decodes.
+        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            partial = req.num_computed_tokens + num_new < req.num_tokens
+            if partial and num_partial >= self.config.max_num_partial_prefills:
+                continue
+            blocks = self._allocate_or_preempt(req, num_new, out)
+            if blocks is None:
+                continue
+            out.num_scheduled_tokens[req.request_id] = num_new
+            new_block_ids[req.request_id] = [b.block_id for b in blocks]
+            budget -= num_new
+            num_partial += partial
+
+        # Admit waiting requests only if nobody was preempted: the pool is tight.
+        while not out.preempted_req_ids and len(self.waiting) and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            req = self.waiting.peek()
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            num_new = self._num_new_tokens(req, num_hit_tokens, budget)
+            partial = num_hit_tokens + num_new < req.num_tokens
+            if partial and num_partial >= self.config.max_num_partial_prefills:
+                break
+            blocks = self.kv.allocate_slots(req, num_new, new_computed_blocks=hits)
+            if blocks is None:
+                break
+            self.waiting.pop()
+            if req.num_cached_tokens < 0:  # first admission: report prefix hits to the user
+                req.num_cached_tokens = num_hit_tokens
+                self.kv.prefix_cache_stats.record(req.num_tokens, num_hit_tokens)
+            req.num_computed_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled_new_reqs.append(
+                NewRequestData(
+                    req_id=req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=list(req.output_token_ids),
+                    sampling_params=req.sampling_params,
+                    block_ids=self.kv.get_block_ids(req.request_id),
+                    num_computed_tokens=num_hit_tokens,
+                    need_prompt_logprobs=not req.prompt_logprobs_done,
+                )
+            )
+            out.num_scheduled_tokens[req.request_id] = num_new
+            budget -= num_new
+            num_partial += partial
+
+        new_ids = {r.req_id for r in out.scheduled_new_reqs}
+        for req_id, num_new in out.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            if req_id not in new_ids:
+                out.scheduled_cached_reqs.append(
+                    CachedRequestData(req_id, new_block_ids[req_id], req.num_computed_tokens)
+                )
+            # Progress is booked at scheduling time; the runner reads the pre-step value.
+            req.num_computed_tokens += num_new
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
+        return out
+
+    def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
+        num_new = req.num_tokens - num_computed
+        if self.config.long_prefill_token_threshold:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        return min(num_new, budget)
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput):
+        """Allocate slots for ``req``, preempting policy-chosen victims until it fits.
+        Returns the new blocks, or None if ``req`` itself was preempted."""
+        while True:
+            blocks = self.kv.allocate_slots(req, num_new)
+            if blocks is not None:
+                return blocks
+            victim = self.waiting.select_victim(self.running)
+            self._preempt(victim, out)
+            if victim is req:
+                return None
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Recompute preemption: free the blocks, forget the progress, queue it again."""
+        self.running.remove(req)
+        # If it was scheduled earlier this step, unschedule it (its budget goes unused).
+        out.num_scheduled_tokens.pop(req.request_id, None)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(req)
+        out.preempted_req_ids.add(req.request_id)
+
+    # ---- after the forward pass ----------------------------------------------------------
+    def update_from_output(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> tuple[list[EngineCoreOutput], list[Request]]:
+        """Append sampled tokens, check stop conditions, free finished requests."""
+        outputs: list[EngineCoreOutput] = []
+        finished: list[Request] = []
+        index = {req_id: i for i, req_id in enumerate(runner_out.req_ids)}
+        for req_id in sched_out.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is None:  # aborted while the step ran
+                continue
+            i = index[req_id]
+            prompt_lps = runner_out.prompt_logprobs.get(req_id)
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                req.prompt_logprobs_done = True
+            new_ids = runner_out.sampled_token_ids[i] if req.num_computed_tokens >= req.num_tokens else []
+            if new_ids:
+                req.append_output_token_ids(new_ids)
+                self._check_stop(req)
+            if not new_ids and prompt_lps is None:
+                continue
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_ids,
+                    new_logprobs=runner_out.logprobs[i] if new_ids and runner_out.logprobs else None,
+                    new_prompt_logprobs=prompt_lps,
+                    finish_reason=req.status.finish_reason,
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                )
+            )
+            if req.is_finished:
+                self.running.remove(req)
+                self._free(req)
+                finished.append(req)
+        return outputs, finished
+
+    def _check_stop(self, req: Request) -> None:
+        token = req.output_token_ids[-1]
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return
+            if token in params.all_stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+                return
+        if (req.max_tokens is not None and req.num_output_tokens >= req.max_tokens) or (
+            req.num_tokens >= self.max_model_len
+        ):
+            req.status = RequestStatus.FINISHED_LENGTH

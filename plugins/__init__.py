@@ -1,0 +1,1 @@
+"""Built-in feature plugins (scheduling policies, ...), registered like third-party ones."""

@@ -1,0 +1,1 @@
+"""Built-in scheduling policies, each a plugin module registered through ``pagelm.plugins``."""
