@@ -1,0 +1,1 @@
+"""Built-in attention backends (each a plugin registered through ``pagelm.plugins``)."""

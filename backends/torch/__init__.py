@@ -1,0 +1,12 @@
+"""The ``torch`` reference attention backend plugin."""
+
+from pagelm import hookimpl
+from pagelm.backends.torch.backend import TorchAttentionBackend
+
+
+@hookimpl
+def pagelm_register_attention_backends(registry) -> None:
+    registry.add(TorchAttentionBackend.name, TorchAttentionBackend)
+
+
+__all__ = ["TorchAttentionBackend"]

@@ -1,0 +1,130 @@
+"""The attention backend contract, split in three as in vLLM V1:
+
+* ``AttentionBackend``: a static description (name, KV cache shape, what it supports) and
+  factories for the other two;
+* ``AttentionMetadataBuilder``: run once per step, turns the runner's common metadata into
+  whatever the backend's kernels want;
+* ``AttentionImpl``: run per layer; writes this step's K/V through ``slot_mapping`` into the
+  paged cache, then attends over the cache through the block table.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from pagelm.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Shape of one attention layer, taken from the model's ``Attention`` module."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Per-step batch layout shared by every backend. Requests are flattened into one token
+    axis; request ``i`` owns tokens ``query_start_loc[i]:query_start_loc[i+1]``::
+
+        tokens:  | r0 prefill chunk ......... | r1 | r2 | r3 |
+        query_start_loc = [0, 9, 10, 11, 12]   seq_lens = [9+c0, 41, 17, 5]
+
+    ``seq_lens`` counts cached + new tokens; ``slot_mapping[t] = block_id * block_size +
+    offset`` is where token ``t``'s K/V goes; ``block_table[i, j]`` is request ``i``'s ``j``-th
+    block. The ``*_cpu`` copies let Python-side code read shapes without a device sync.
+    """
+
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, device
+    seq_lens: torch.Tensor  # [num_reqs] int32, device
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, device
+    slot_mapping: torch.Tensor  # [num_tokens] int64, device
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    block_size: int
+
+
+class AttentionMetadataBuilder(ABC):
+    """Built once per engine; ``build`` runs once per step, never per layer."""
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> Any:
+        """Return the backend's metadata object, handed to every layer this step."""
+
+
+class AttentionImpl(ABC):
+    """One per attention layer."""
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        kv_cache: torch.Tensor,  # this layer's cache, in the backend's layout
+        metadata: Any,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        """Store key/value at ``slot_mapping``, then attend causally over the paged cache."""
+
+
+class AttentionBackend(ABC):
+    """Static description of an attention backend, registered by name through the
+    ``pagelm_register_attention_backends`` hook and chosen with ``attention_backend=``."""
+
+    name: ClassVar[str]
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    # None: any head size.
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    supports_sliding_window: ClassVar[bool] = False
+    cuda_graph_safe: ClassVar[bool] = False
+
+    @classmethod
+    def validate(
+        cls, config: "EngineConfig", spec: AttentionSpec, dtype: torch.dtype, device: torch.device
+    ) -> list[str]:
+        """Problems that make this backend unusable for the model/config (empty: fine)."""
+        problems = []
+        if device.type not in cls.supported_devices:
+            problems.append(f"attention backend {cls.name!r} does not run on {device.type}")
+        if dtype not in cls.supported_dtypes:
+            problems.append(f"attention backend {cls.name!r} does not support dtype {dtype}")
+        if cls.supported_head_sizes is not None and spec.head_dim not in cls.supported_head_sizes:
+            problems.append(
+                f"attention backend {cls.name!r} supports head sizes {cls.supported_head_sizes}, "
+                f"the model has {spec.head_dim}"
+            )
+        if spec.sliding_window is not None and not cls.supports_sliding_window:
+            problems.append(f"attention backend {cls.name!r} does not support sliding-window attention")
+        return problems
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor."""
+
+    @classmethod
+    @abstractmethod
+    def make_metadata_builder(cls, device: torch.device) -> AttentionMetadataBuilder: ...
+
+    @classmethod
+    @abstractmethod
+    def make_impl(cls, spec: AttentionSpec) -> AttentionImpl: ...

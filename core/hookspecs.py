@@ -1,0 +1,68 @@
+"""Every pagelm hook. Plugins implement them with ``@pagelm.hookimpl``.
+
+Registration hooks receive a registry and add named entries; lifecycle hooks fire once per
+engine or once per request. None fires per token or per step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from pagelm.config import EngineConfig
+    from pagelm.registry import Registry
+    from pagelm.request import Request
+
+hookspec = pluggy.HookspecMarker("pagelm")
+hookimpl = pluggy.HookimplMarker("pagelm")
+
+
+# ---------------------------------------------------------------------------------------------
+# registration: called each time an engine resolves names, so late registrations are seen
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def pagelm_register_attention_backends(registry: "Registry") -> None:
+    """Add ``AttentionBackend`` subclasses: ``registry.add(name, backend_cls)``. The name is
+    what ``attention_backend=`` selects."""
+
+
+@hookspec
+def pagelm_register_scheduling_policies(registry: "Registry") -> None:
+    """Add ``SchedulingPolicy`` subclasses: ``registry.add(name, policy_cls)``. The name is
+    what ``scheduling_policy=`` selects."""
+
+
+@hookspec
+def pagelm_register_models(registry: "Registry") -> None:
+    """Add model classes keyed by the Hugging Face ``architectures`` name in config.json:
+    ``registry.add("LlamaForCausalLM", cls)``."""
+
+
+# ---------------------------------------------------------------------------------------------
+# lifecycle: once per engine or per request, never per token
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def pagelm_configure(config: "EngineConfig") -> None:
+    """Called once when an engine is created, before the model is loaded; a plugin may read
+    or adjust the config (e.g. its own ``plugin_config`` entries)."""
+
+
+@hookspec
+def pagelm_engine_started(engine: Any) -> None:
+    """Called once the engine core has its model, KV cache and scheduler."""
+
+
+@hookspec
+def pagelm_request_finished(request: "Request", reason: str) -> None:
+    """Called once per request when it leaves the engine (``reason``: stop, length, abort)."""
+
+
+@hookspec
+def pagelm_engine_shutdown(engine: Any) -> None:
+    """Called once when the engine shuts down."""

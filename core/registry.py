@@ -1,0 +1,47 @@
+"""Named registries that registration hooks fill (tox's ``register`` object pattern)."""
+
+from __future__ import annotations
+
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class UnknownNameError(ValueError):
+    """An unknown backend/policy/model name; the message lists the registered ones."""
+
+
+class Registry(Generic[T]):
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, T] = {}
+        self._sources: dict[str, str] = {}
+
+    def add(self, name: str, entry: T, *, source: str | None = None) -> None:
+        if name in self._entries and self._entries[name] is not entry:
+            raise ValueError(
+                f"{self.kind} {name!r} registered twice "
+                f"({self._sources.get(name)} and {source or getattr(entry, '__module__', '?')})"
+            )
+        self._entries[name] = entry
+        self._sources[name] = source or getattr(entry, "__module__", "?")
+
+    def get(self, name: str) -> T:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise UnknownNameError(
+                f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self._entries)) or '(none)'}"
+            ) from None
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def source(self, name: str) -> str:
+        return self._sources[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
