@@ -1,0 +1,14 @@
+"""The built-in model architectures, registered through the same hook as third-party ones."""
+
+from pagelm import hookimpl
+from pagelm.models.llama import LlamaForCausalLM, MistralForCausalLM
+from pagelm.models.qwen2 import Qwen2ForCausalLM
+from pagelm.models.qwen3 import Qwen3ForCausalLM
+
+__all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+
+
+@hookimpl
+def pagelm_register_models(registry) -> None:
+    for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):
+        registry.add(cls.__name__, cls)

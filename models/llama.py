@@ -1,0 +1,152 @@
+"""Llama, and the decoder blocks Mistral, Qwen2 and Qwen3 reuse.
+
+Inputs are flattened: every request's tokens sit on one token axis with no batch dim, and
+``positions`` holds each token's absolute position in its own request. The ``Attention``
+layer finds which tokens belong to which request through the forward context.
+
+Architectures differ only in their attention module, so each one is a subclass of
+``LlamaAttention`` plus a ``LlamaForCausalLM`` subclass naming it in ``attention_cls``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagelm.attention import Attention
+from pagelm.models.layers import Linear, MergedColumnLinear, QKVLinear, RMSNorm, RotaryEmbedding, SiluAndMul
+from pagelm.models.weights import load_packed_weights
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim_of(config)
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        attention_bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, num_heads, num_kv_heads, bias=self.qkv_bias(config)
+        )
+        self.o_proj = Linear(num_heads * self.head_dim, config.hidden_size, bias=attention_bias)
+        self.rotary_emb = RotaryEmbedding.from_config(config, self.head_dim)
+        self.attn = Attention(
+            num_heads,
+            self.head_dim,
+            num_kv_heads,
+            scale=self.head_dim**-0.5,
+            sliding_window=self.sliding_window(config, layer_idx),
+        )
+
+    @staticmethod
+    def qkv_bias(config) -> bool:
+        return getattr(config, "attention_bias", False)
+
+    @staticmethod
+    def sliding_window(config, layer_idx: int) -> int | None:
+        """Window for this layer (key j visible to query i iff ``i - window < j <= i``)."""
+        return None
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook run on q/k before rotary (Qwen3's per-head norms); identity for Llama."""
+        return q, k
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden_states)
+        q, k = self.normalize_qk(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        hidden_act = getattr(config, "hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}: only silu is implemented")
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, attention_cls: type[LlamaAttention]) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp output, residual)``; their sum is the layer's output, added lazily
+        by the next norm so the add fuses with it."""
+        hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, attention_cls: type[LlamaAttention]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, attention_cls) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.attention_cls)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``input_ids``/``positions``: ``[num_tokens]``; returns ``[num_tokens, hidden]``."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]`` float32 (sampling wants full precision)."""
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load Hugging Face checkpoint tensors; returns the parameter names filled."""
+        # Older checkpoints store rotary inv_freq buffers; a tied lm_head is the embedding.
+        skip = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tie_word_embeddings else ())
+        return load_packed_weights(self, weights, skip=skip)
+
+
+class MistralAttention(LlamaAttention):
+    @staticmethod
+    def sliding_window(config, layer_idx: int) -> int | None:
+        return getattr(config, "sliding_window", None)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    attention_cls = MistralAttention
