@@ -1,0 +1,34 @@
+"""pagelm: a small-core, plugin-everything LLM inference engine.
+
+The public API mirrors vLLM's offline API: ``LLM``, ``SamplingParams``, ``RequestOutput``.
+"""
+
+from pagelm.hookspecs import hookimpl
+from pagelm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": ("pagelm.llm", "LLM"),
+    "EngineConfig": ("pagelm.config", "EngineConfig"),
+    "RequestOutput": ("pagelm.outputs", "RequestOutput"),
+    "CompletionOutput": ("pagelm.outputs", "CompletionOutput"),
+    "Logprob": ("pagelm.outputs", "Logprob"),
+    "AttentionBackend": ("pagelm.attention", "AttentionBackend"),
+    "SchedulingPolicy": ("pagelm.sched.policy", "SchedulingPolicy"),
+    "get_plugin_manager": ("pagelm.plugin_manager", "get_plugin_manager"),
+}
+
+
+def __getattr__(name: str):
+    # Heavy modules (transformers, the engine) load on first use, not on `import pagelm`,
+    # so plugins importing `pagelm.hookimpl` stay cheap.
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'pagelm' has no attribute {name!r}")
+
+
+__all__ = ["SamplingParams", "hookimpl", "__version__", *_LAZY]

@@ -1,0 +1,142 @@
+"""LLMEngine: text in, text out around an ``EngineCore``. It validates and tokenizes
+prompts, fans ``n > 1`` out into child requests, runs steps, and turns core outputs into
+``RequestOutput``s. ``LLM`` (offline) and the async engine both drive one of these."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Union
+
+from transformers import AutoTokenizer
+
+from pagelm.config import EngineConfig
+from pagelm.engine.engine_core import EngineCore
+from pagelm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest, RequestState
+from pagelm.kv_cache import make_block_hasher
+from pagelm.outputs import RequestOutput
+from pagelm.request import Request
+from pagelm.sampling_params import SamplingParams
+
+# vLLM's prompt shapes: a string, or {"prompt_token_ids": [...]} (TokensPrompt), or
+# {"prompt": "..."} (TextPrompt).
+PromptType = Union[str, dict[str, Any]]
+
+
+def load_eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    """EOS ids from generation_config.json (int or list), else config.json, else tokenizer."""
+    for name in ("generation_config.json", "config.json"):
+        f = model_dir / name
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return frozenset([eos] if isinstance(eos, int) else eos)
+    return frozenset([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else frozenset()
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = Path(config.model).expanduser()
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        eos = load_eos_token_ids(model_dir, self.tokenizer) if model_dir.is_dir() else frozenset()
+        self.core = EngineCore(config, eos)
+        self.max_model_len = self.core.max_model_len
+        self.vocab_size = self.core.hf_config.vocab_size
+        self.output_processor = OutputProcessor()
+        self._block_hasher = make_block_hasher(config.block_size)
+
+    # ---- input processing ----------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError(
+            "prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
+            f"got {type(prompt).__name__}"
+        )
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt must contain at least one token")
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; with max_model_len={self.max_model_len} it must "
+                f"have at most {self.max_model_len - 1} so one token can be generated"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        output_kind: OutputKind = OutputKind.FINAL_ONLY,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue one prompt (``params.n`` samples of it). Raises ``ValueError`` on bad input
+        before anything is queued."""
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(token_ids)
+        vocab_bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if vocab_bad:
+            raise ValueError(f"stop_token_ids {vocab_bad} are outside the vocabulary [0, {self.vocab_size})")
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        parent = ParentRequest(request_id, params.n) if params.n > 1 else None
+        for index in range(params.n):
+            child_id = f"{index}_{request_id}" if parent else request_id
+            child_params = params
+            if parent is not None:
+                child_params = params.clone()
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + index
+            self.output_processor.add_request(
+                RequestState(
+                    child_id, text, token_ids, child_params, self.tokenizer, output_kind,
+                    arrival_time, parent=parent, index=index,
+                )
+            )
+            self.core.add_request(
+                Request(
+                    child_id,
+                    token_ids,
+                    child_params,
+                    eos_token_ids=self.core.eos_token_ids,
+                    arrival_time=arrival_time,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                    max_tokens=max_tokens,
+                    block_hasher=self._block_hasher,
+                )
+            )
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        self.core.abort_requests(ids)
+        self.output_processor.abort(ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.core.step()
+        results, stopped = self.output_processor.process_outputs(outputs)
+        if stopped:
+            self.core.finish_by_stop_string(stopped)
+        return results
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

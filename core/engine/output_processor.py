@@ -1,0 +1,204 @@
+"""Turns engine-core outputs into ``RequestOutput``s: detokenize, stop strings, logprobs,
+metrics, and fan-in of the ``n`` samples of one prompt."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagelm.engine.core_output import EngineCoreOutput
+from pagelm.engine.detokenizer import IncrementalDetokenizer
+from pagelm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
+from pagelm.sampling_params import SamplingParams
+from pagelm.worker.output import LogprobsLists
+
+
+class OutputKind(enum.Enum):
+    FINAL_ONLY = "final"  # offline LLM.generate: one output per request, at the end
+    DELTA = "delta"  # streaming: only what is new since the last output
+
+
+@dataclass
+class ParentRequest:
+    """The user's request when ``n > 1``: children ``0_<id>``, ``1_<id>``, ... share the prompt."""
+
+    request_id: str
+    n: int
+    completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    num_finished: int = 0
+
+
+class RequestState:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer,
+        output_kind: OutputKind,
+        arrival_time: float,
+        parent: ParentRequest | None = None,
+        index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.tokenizer = tokenizer
+        self.output_kind = output_kind
+        self.parent = parent
+        self.index = index
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        self.token_ids: list[int] = []
+        self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self._sent_text_len = 0
+        self._sent_tokens = 0
+        self._sent_logprobs = 0
+
+    def _decode(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _to_dicts(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
+        out = []
+        for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+            entry = {ids[0]: Logprob(lps[0], rank, self._decode(ids[0]))}
+            for r, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+                entry.setdefault(tid, Logprob(lp, r, self._decode(tid)))
+            out.append(entry)
+        return out
+
+    def apply(self, out: EngineCoreOutput, now: float) -> str | None:
+        """Fold one step's output in; returns a stop string if one ended the request."""
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(self._to_dicts(out.new_prompt_logprobs))
+        if not out.new_token_ids:
+            return None
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.last_token_time = now
+        self.token_ids.extend(out.new_token_ids)
+        self.metrics.num_generation_tokens = len(self.token_ids)
+        if self.logprobs is not None and out.new_logprobs is not None:
+            self.logprobs.extend(self._to_dicts(out.new_logprobs))
+            self.cumulative_logprob += sum(lps[0] for lps in out.new_logprobs.logprobs)
+        stop_str = self.detokenizer.update(out.new_token_ids)
+        if stop_str is not None:
+            self.finish_reason, self.stop_reason = "stop", stop_str
+        elif out.finish_reason is not None:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+        if self.finish_reason is not None:
+            self.metrics.finished_time = now
+        return stop_str
+
+    def completion(self) -> CompletionOutput:
+        """The whole completion so far (FINAL_ONLY) or only the new part (DELTA)."""
+        text = self.detokenizer.output_text
+        if self.output_kind == OutputKind.DELTA:
+            c = CompletionOutput(
+                index=self.index,
+                text=text[self._sent_text_len :],
+                token_ids=self.token_ids[self._sent_tokens :],
+                cumulative_logprob=self.cumulative_logprob,
+                logprobs=None if self.logprobs is None else self.logprobs[self._sent_logprobs :],
+                finish_reason=self.finish_reason,
+                stop_reason=self.stop_reason,
+            )
+            self._sent_text_len, self._sent_tokens = len(text), len(self.token_ids)
+            self._sent_logprobs = len(self.logprobs or [])
+            return c
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+class OutputProcessor:
+    def __init__(self) -> None:
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(self, state: RequestState) -> None:
+        self.states[state.request_id] = state
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for req_id in request_ids:
+            self.states.pop(req_id, None)
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the user-facing outputs and the ids the engine core must abort because a
+        stop string ended them here."""
+        now = time.time()
+        results: list[RequestOutput] = []
+        to_abort: list[str] = []
+        for out in outputs:
+            state = self.states.get(out.request_id)
+            if state is None:
+                continue
+            if state.apply(out, now) is not None and not out.finished:
+                to_abort.append(out.request_id)
+            finished = state.finish_reason is not None
+            if finished:
+                del self.states[out.request_id]
+            result = self._make_output(state, finished)
+            if result is not None:
+                results.append(result)
+        return results, to_abort
+
+    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput | None:
+        if state.output_kind == OutputKind.FINAL_ONLY and not finished:
+            return None
+        completion = state.completion()
+        request_id, completions, all_done = state.request_id, [completion], finished
+        parent = state.parent
+        if parent is not None:
+            request_id = parent.request_id
+            if state.output_kind == OutputKind.FINAL_ONLY:
+                parent.completions[state.index] = completion
+                parent.num_finished += 1
+                if parent.num_finished < parent.n:
+                    return None
+                completions = [parent.completions[i] for i in range(parent.n)]
+            else:
+                parent.num_finished += finished
+                all_done = parent.num_finished == parent.n
+        return RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs,
+            outputs=completions,
+            finished=all_done,
+            metrics=state.metrics,
+            num_cached_tokens=state.num_cached_tokens,
+        )

@@ -1,0 +1,101 @@
+"""The offline API, shaped like vLLM's: ``LLM(model).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagelm.config import EngineConfig
+from pagelm.engine.llm_engine import LLMEngine, PromptType
+from pagelm.outputs import RequestOutput
+from pagelm.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Keyword arguments are :class:`pagelm.config.EngineConfig` fields with vLLM's names
+    (``dtype``, ``block_size``, ``enable_prefix_caching``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``max_model_len``, ...) plus ``num_kv_blocks``,
+    ``attention_backend``, ``scheduling_policy`` and ``device``.
+    """
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model, **engine_args)
+        self.engine = LLMEngine(self.config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        priority: Sequence[int] | None = None,
+        cache_salt: str | Sequence[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the prompts' order. Every prompt is
+        validated before any is queued, so bad input raises without leaving work behind."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _per_prompt(sampling_params if sampling_params is not None else SamplingParams(), len(prompts), "sampling_params")
+        priorities = _per_prompt(priority if priority is not None else 0, len(prompts), "priority")
+        salts = _per_prompt(cache_salt, len(prompts), "cache_salt")
+        tokenized = []
+        for p in prompts:
+            text, token_ids = self.engine.tokenize_prompt(p)
+            self.engine.validate_prompt(token_ids)
+            tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
+
+        ids = [str(next(self._counter)) for _ in prompts]
+        for req_id, prompt, sp, prio, salt in zip(ids, tokenized, params, priorities, salts):
+            self.engine.add_request(req_id, prompt, sp, priority=prio, cache_salt=salt)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req") as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[i] for i in ids]
+
+
+def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts; pass one or one per prompt")
+        return list(value)
+    return [value] * n

@@ -1,0 +1,100 @@
+"""Loading a Hugging Face model directory: config, architecture lookup in the model registry,
+and weights from one ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from pagelm.config import EngineConfig
+from pagelm.plugin_manager import get_plugin_manager
+
+
+def resolve_model_path(model: str) -> Path:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    raise FileNotFoundError(
+        f"model={model!r} is not a local model directory (expected config.json, *.safetensors "
+        "and tokenizer files, as written by save_pretrained)"
+    )
+
+
+def load_hf_config(path: Path) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(path)
+
+
+def model_class_for(hf_config: PretrainedConfig) -> type[nn.Module]:
+    registry = get_plugin_manager().models()
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in registry:
+            return registry.get(arch)
+    raise ValueError(
+        f"model architecture(s) {archs} are not supported; registered: {', '.join(registry.names())}"
+    )
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (use load_format='dummy' for random weights)")
+    return files
+
+
+def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    config: EngineConfig, path: Path, hf_config: PretrainedConfig, device: torch.device, dtype: torch.dtype
+) -> nn.Module:
+    cls = model_class_for(hf_config)
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(hf_config)
+    if config.load_format == "dummy":
+        _init_dummy(model, seed=config.seed)
+    else:
+        loaded = model.load_weights(iterate_weights(path))
+        # named_parameters() lists a tied lm_head once, under the embedding's name.
+        missing = sorted(
+            name for name, _ in model.named_parameters() if name not in loaded
+        )
+        if missing:
+            raise ValueError(f"weights missing from {path}: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    return model.eval()
+
+
+@torch.no_grad()
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights with the config's shapes (benchmarks): small uniform values keep
+    activations finite in any dtype."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for param in model.parameters():
+        values = torch.empty(param.shape, dtype=torch.float32).uniform_(-1e-3, 1e-3, generator=gen)
+        param.copy_(values)

@@ -1,0 +1,211 @@
+"""The sampler: one row of logits per request in, one token per request out, in one batched pass.
+
+Processing order (each stage is skipped when no row in the batch uses it)::
+
+    raw logits ──► logprobs (vLLM's "raw_logprobs": before anything below)
+        │
+        ├─ allowed_token_mask ─ min_tokens forbids ─ penalties ──► greedy rows: argmax
+        │
+        └─ temperature ─ min_p ─ top_k ─ top_p ─ softmax ─ exponential race ──► random rows
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagelm.sample.metadata import SamplingMetadata
+from pagelm.sampling_params import SAMPLING_EPS
+
+
+@dataclass(slots=True)
+class LogprobsTensors:
+    """Column 0 is the sampled token, columns 1..k the distribution's top-k."""
+
+    token_ids: torch.Tensor  # [N, k + 1] int64
+    logprobs: torch.Tensor  # [N, k + 1] float32
+    ranks: torch.Tensor  # [N] int64: 1 + number of tokens strictly more likely than the sampled one
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [N] int64
+    logprobs: LogprobsTensors | None
+
+
+class Sampler(nn.Module):
+    def forward(
+        self,
+        logits: torch.Tensor,
+        md: SamplingMetadata,
+        generator: torch.Generator | None = None,
+    ) -> SamplerOutput:
+        """Sample one token per row of ``logits`` [N, V] float32.
+
+        ``generator`` drives the random rows that have no generator of their own in
+        ``md.generators``; ``None`` means torch's default generator.
+        """
+        assert logits.dim() == 2 and logits.dtype == torch.float32, "sampler expects [N, V] float32 logits"
+        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+
+        if md.allowed_token_mask is not None:
+            logits = logits.masked_fill(~md.allowed_token_mask, float("-inf"))
+        if md.min_tokens_stop_ids:
+            logits = apply_min_tokens(logits, md.min_tokens_stop_ids)
+        if not md.no_penalties:
+            logits = apply_penalties(logits, md)
+
+        sampled = self.sample(logits, md, generator)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        md: SamplingMetadata,
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+        if md.all_greedy:
+            return greedy
+
+        logits = apply_temperature(logits, md.temperature)
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        if md.top_k is not None or md.top_p is not None:
+            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        random = exponential_race(logits.softmax(dim=-1), md.generators, generator)
+
+        if greedy is None:
+            return random
+        return torch.where(md.temperature < SAMPLING_EPS, greedy, random)
+
+
+# --------------------------------------------------------------------------------------------
+# Logits processors (all out of place: the caller's logits are never modified)
+# --------------------------------------------------------------------------------------------
+
+
+def apply_min_tokens(logits: torch.Tensor, stop_ids: dict[int, set[int]]) -> torch.Tensor:
+    """Forbid EOS / stop tokens for rows still below their ``min_tokens``."""
+    rows = [row for row, ids in stop_ids.items() for _ in ids]
+    cols = [tok for ids in stop_ids.values() for tok in ids]
+    if not rows:
+        return logits
+    index = (
+        torch.tensor(rows, dtype=torch.long, device=logits.device),
+        torch.tensor(cols, dtype=torch.long, device=logits.device),
+    )
+    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, L] ids padded with ``vocab_size`` -> [N, V] occurrence counts (padding dropped)."""
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.long, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids))
+    return counts[:, :vocab_size]
+
+
+def _pad_outputs(output_token_ids: list[list[int]], num_rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    rows = output_token_ids or [[] for _ in range(num_rows)]
+    assert len(rows) == num_rows, "output_token_ids needs one list per logits row"
+    width = max((len(r) for r in rows), default=0)
+    padded = [r + [vocab_size] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.long, device=device).reshape(num_rows, width)
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt + output, HF rule), then frequency and presence (output only)."""
+    num_rows, vocab_size = logits.shape
+    output_ids = _pad_outputs(md.output_token_ids, num_rows, vocab_size, logits.device)
+    output_counts = _bin_counts(output_ids, vocab_size)
+
+    if md.repetition_penalties is not None:
+        seen = output_counts > 0
+        if md.prompt_token_ids is not None:
+            seen |= _bin_counts(md.prompt_token_ids, vocab_size) > 0
+        penalty = torch.where(seen, md.repetition_penalties[:, None], 1.0)
+        # Dividing a positive logit and multiplying a negative one both make the token less likely.
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    if md.frequency_penalties is not None:
+        logits = logits - md.frequency_penalties[:, None] * output_counts.to(logits.dtype)
+    if md.presence_penalties is not None:
+        logits = logits - md.presence_penalties[:, None] * (output_counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    # Greedy rows are sampled too in a mixed batch (then overwritten): keep them finite.
+    safe = torch.where(temperature < SAMPLING_EPS, 1.0, temperature)
+    return logits / safe[:, None]
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the most likely token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """Top-k then top-p (nucleus) in one descending sort of the vocab.
+
+    Top-k keeps every token tied with the k-th largest logit. Top-p keeps a token while the
+    probability mass strictly before it is still below ``p``: the smallest set reaching ``p``,
+    and always the most likely token.
+    """
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size).long()
+        kth_largest = sorted_logits.gather(-1, (k - 1)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Rows at 1.0 are off: rounding in the cumsum must not trim their tails.
+        drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def exponential_race(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Sample from each row of ``probs`` as ``argmax(probs / q)`` with ``q ~ Exp(1)``.
+
+    Equivalent to a categorical draw, but needs no cumsum or host sync. Seeded rows redraw
+    their ``q`` with their own generator, so their token depends only on that generator.
+    """
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    for row, row_generator in generators.items():
+        q[row].exponential_(generator=row_generator)
+    # Exp(1) can round to 0; a 0/0 would be NaN, which argmax treats as the maximum.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Logprobs
+# --------------------------------------------------------------------------------------------
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
+    sampled_logprobs = raw_logprobs.gather(-1, sampled[:, None])
+    ranks = (raw_logprobs > sampled_logprobs).sum(dim=-1) + 1
+    token_ids, logprobs = sampled[:, None], sampled_logprobs
+    if k > 0:
+        top_logprobs, top_ids = raw_logprobs.topk(k, dim=-1)
+        token_ids = torch.cat([token_ids, top_ids], dim=1)
+        logprobs = torch.cat([logprobs, top_logprobs], dim=1)
+    return LogprobsTensors(token_ids=token_ids, logprobs=logprobs, ranks=ranks)

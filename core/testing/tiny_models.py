@@ -1,0 +1,208 @@
+"""Tiny Hugging Face model directories built locally, for tests and demos.
+
+Everything here works offline: the tokenizer is trained on Python's own standard library
+sources, and the model weights come from a seeded random init. The directories look exactly
+like hub checkpoints (config.json, safetensors, tokenizer files, generation_config.json), so the
+engine's loaders are exercised on the same path as a real model.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+BOS, EOS, PAD, IM_START, IM_END = "<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]  # ids 0..4, in this order
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Fixed, sorted list of stdlib sources: the corpus (and so the vocab) is the same every run.
+# Files missing from a given Python build are skipped, so the vocab is stable per interpreter.
+CORPUS_FILES = sorted([
+    "bisect.py",
+    "colorsys.py",
+    "fnmatch.py",
+    "heapq.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "shlex.py",
+    "string.py",
+    "textwrap.py",
+])
+
+# Multi-byte UTF-8 (2, 3 and 4 byte sequences), repeated so BPE learns merges inside them
+# rather than leaving every such character as raw byte tokens.
+MULTIBYTE_LINES = [
+    "Café crème, naïve façade, Straße, Ærø, smørrebrød, jalapeño.",
+    "日本語のテキストと中文文本，还有한국어 문장。",
+    "Emoji: 🙂 🚀 🎉 👍🏽 ❤️ — “quotes” and ‘more’ … ±∞ ≤ ≥ ≠ €",
+]
+
+ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+def _corpus() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(stdlib / name).read_text(encoding="utf-8") for name in CORPUS_FILES if (stdlib / name).is_file()]
+    return texts + MULTIBYTE_LINES * 50
+
+
+@functools.lru_cache(maxsize=None)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    """Train once per vocab size per process; kept as JSON so every caller gets a fresh object."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        # The full byte alphabet guarantees any UTF-8 text encodes, whatever the corpus holds.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    return tokenizer.to_str()
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """Train (or reuse) a byte-level BPE tokenizer with ChatML specials and save it to ``out_dir``."""
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size)),
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        # Written as an explicit null: AutoTokenizer loads qwen2 dirs as Qwen2Tokenizer, whose
+        # default unk "<|endoftext|>" would otherwise be added as token 512, past the model vocab.
+        unk_token=None,
+        chat_template=CHATML_TEMPLATE,
+    )
+    tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+def _tiny_config(arch: str, tokenizer: PreTrainedTokenizerFast, dtype: torch.dtype, overrides: dict[str, Any]) -> PretrainedConfig:
+    config_cls, _ = ARCHS[arch]
+    kwargs: dict[str, Any] = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        # The default 0.02 makes a 2-layer random model collapse onto one token under greedy
+        # decoding; a wider init gives varied outputs, which tests of sampling need.
+        initializer_range=0.1,
+    )
+    if arch == "qwen3":
+        kwargs["head_dim"] = 32  # deliberately != hidden / heads, as in real Qwen3 checkpoints
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(overrides)
+    config = config_cls(**kwargs)
+    config.dtype = dtype
+    return config
+
+
+def _shard_size(model: PreTrainedModel) -> int:
+    """A shard size that splits the checkpoint into a handful of files."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    return max(total // 4, largest)
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    *,
+    sharded: bool = False,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    tokenizer_vocab_size: int = 512,
+    **config_overrides: Any,
+) -> Path:
+    """Write a randomly initialised ``arch`` checkpoint, its tokenizer and generation config to ``out_dir``.
+
+    ``config_overrides`` go straight into the HF config (e.g. ``tie_word_embeddings=True``,
+    ``sliding_window=16``). Same arguments -> byte-identical weights.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, tokenizer_vocab_size)
+    config = _tiny_config(arch, tokenizer, dtype, config_overrides)
+
+    torch.manual_seed(seed)
+    model = ARCHS[arch][1](config).to(dtype).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    max_shard_size = _shard_size(model) if sharded else "1GB"
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    # save_pretrained skips generation_config.json when it equals the model defaults; engines
+    # read EOS from it, so always write it.
+    model.generation_config.save_pretrained(out)
+    return out
+
+
+_TINY_DIRS: dict[tuple, Path] = {}
+
+
+def tiny_model_dir(arch: str, tmp_root: str | Path, **kw: Any) -> Path:
+    """Build ``build_tiny_model(arch, **kw)`` under ``tmp_root`` once per process and reuse it.
+
+    Meant for a session-scoped pytest fixture: pass ``tmp_path_factory.getbasetemp()``.
+    """
+    key = (arch, str(tmp_root), tuple(sorted((k, repr(v)) for k, v in kw.items())))
+    path = _TINY_DIRS.get(key)
+    if path is None or not (path / "config.json").is_file():
+        digest = hashlib.sha1(repr(key).encode()).hexdigest()[:10]
+        path = build_tiny_model(Path(tmp_root) / f"tiny-{arch}-{digest}", arch, **kw)
+        _TINY_DIRS[key] = path
+    return path

@@ -1,0 +1,74 @@
+"""Builds the sampler's batched inputs from per-request state, skipping what nobody uses."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from pagelm.sample import SamplingMetadata
+from pagelm.sampling_params import SAMPLING_EPS
+
+
+def step_seed(seed: int, step: int) -> int:
+    """A seeded request's draw for its ``step``-th output token depends on (seed, step) alone:
+    reproducible whatever else is in the batch, and after preemption and recompute."""
+    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def build_sampling_metadata(states, eos_token_ids: frozenset[int], vocab_size: int, device) -> SamplingMetadata:
+    params = [s.sampling_params for s in states]
+    n = len(params)
+
+    def column(values, dtype, default):
+        if all(v == default for v in values):
+            return None
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    greedy = [p.temperature < SAMPLING_EPS for p in params]
+    generators = {}
+    for i, s in enumerate(states):
+        if s.sampling_params.seed is not None and not greedy[i]:
+            g = torch.Generator(device=device)
+            g.manual_seed(step_seed(s.sampling_params.seed, len(s.output_token_ids)))
+            generators[i] = g
+
+    presence = column([p.presence_penalty for p in params], torch.float32, 0.0)
+    frequency = column([p.frequency_penalty for p in params], torch.float32, 0.0)
+    repetition = column([p.repetition_penalty for p in params], torch.float32, 1.0)
+    prompt_ids = None
+    if repetition is not None:
+        width = max(s.num_prompt_tokens for s in states)
+        prompt_ids = torch.full((n, width), vocab_size, dtype=torch.long)
+        for i, s in enumerate(states):
+            prompt_ids[i, : s.num_prompt_tokens] = torch.tensor(s.token_ids[: s.num_prompt_tokens])
+        prompt_ids = prompt_ids.to(device)
+
+    min_tokens_stop_ids = {}
+    for i, s in enumerate(states):
+        p = s.sampling_params
+        if len(s.output_token_ids) < p.min_tokens:
+            banned = set(p.all_stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            if banned:
+                min_tokens_stop_ids[i] = banned
+
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingMetadata(
+        temperature=temperature,
+        all_greedy=all(greedy),
+        all_random=not any(greedy),
+        top_k=column([p.top_k for p in params], torch.long, 0),
+        top_p=column([p.top_p for p in params], torch.float32, 1.0),
+        min_p=column([p.min_p for p in params], torch.float32, 0.0),
+        generators=generators,
+        max_num_logprobs=max(wanted) if wanted else None,
+        prompt_token_ids=prompt_ids,
+        output_token_ids=[s.output_token_ids for s in states],
+        presence_penalties=presence,
+        frequency_penalties=frequency,
+        repetition_penalties=repetition,
+        min_tokens_stop_ids=min_tokens_stop_ids,
+        allowed_token_mask=None,
+    )

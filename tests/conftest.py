@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny random Hugging Face model directories built locally (no hub)."""
+
+import pytest
+import torch
+
+from pagelm.testing import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_root):
+    return build_tiny_model(model_root / "llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def make_model(model_root):
+    """make_model(name, arch, **kw) -> directory, built once per session per name."""
+    built = {}
+
+    def make(name, arch, **kw):
+        if name not in built:
+            built[name] = build_tiny_model(model_root / name, arch, **kw)
+        return built[name]
+
+    return make
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
