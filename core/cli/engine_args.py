@@ -1,0 +1,79 @@
+"""Engine flags for every subcommand: one flag per ``EngineConfig`` field (``--max-num-seqs``
+for ``max_num_seqs``), plus ``--config file.yaml`` whose keys are the same names. Precedence:
+defaults < YAML < flags given on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pagelm.config import EngineConfig
+
+_HELP = {
+    "tokenizer": "tokenizer directory (default: the model directory)",
+    "dtype": "auto, float32, bfloat16 or float16",
+    "device": "auto, cpu, cuda or cuda:N",
+    "seed": "engine seed for unseeded sampling",
+    "block_size": "tokens per KV cache block",
+    "num_kv_blocks": "KV cache blocks (default: sized from memory)",
+    "gpu_memory_utilization": "fraction of GPU memory pagelm may use",
+    "cpu_kv_cache_space": "bytes of KV cache on CPU when num_kv_blocks is unset",
+    "max_model_len": "longest sequence (prompt + output); default from config.json",
+    "max_num_seqs": "most requests in one step",
+    "max_num_batched_tokens": "most tokens in one step",
+    "enable_prefix_caching": "reuse KV blocks of identical prefixes",
+    "long_prefill_token_threshold": "cap on one request's prefill chunk per step (0 = off)",
+    "max_num_partial_prefills": "most requests with an unfinished prompt per step",
+    "scheduling_policy": "registered scheduling policy name (see `pagelm plugins`)",
+    "attention_backend": "registered attention backend name (see `pagelm plugins`)",
+    "load_format": "auto, safetensors or dummy (random weights)",
+    "enforce_eager": "never use CUDA graphs",
+    "plugin_config": "JSON/YAML mapping of plugin-specific settings",
+}
+
+
+def _flag_type(field: dataclasses.Field) -> Any:
+    hint = typing.get_type_hints(EngineConfig)[field.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    base = args[0]
+    if base is bool:
+        return "bool"
+    if base in (int, float, str):
+        return base
+    return yaml.safe_load  # dicts
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--config", type=Path, help="YAML file of engine arguments (keys = flag names)")
+    for field in dataclasses.fields(EngineConfig):
+        if field.name == "model":
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        kind = _flag_type(field)
+        default = field.default if field.default is not dataclasses.MISSING else None
+        help_text = f"{_HELP.get(field.name, field.name)} (default: {default})"
+        if kind == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        else:
+            group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """YAML values overridden by the flags actually given."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    kwargs: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+        loaded = {k.replace("-", "_"): v for k, v in loaded.items()}
+        unknown = sorted(set(loaded) - names - {"model"})
+        if unknown:
+            raise SystemExit(f"{args.config}: unknown engine argument(s) {unknown}")
+        kwargs.update(loaded)
+    kwargs.update({k: v for k, v in vars(args).items() if k in names})
+    return kwargs
