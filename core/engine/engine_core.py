@@ -7,6 +7,7 @@ runner; it knows nothing about text (token ids in, token ids out)::
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 import torch
@@ -43,13 +44,14 @@ class EngineCore:
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.hf_config)
         self.max_model_len = self._max_model_len()
+        self.vocab_size = self.hf_config.vocab_size
         model = load_model(config, path, self.hf_config, self.device, self.dtype)
         layers = attention_layers(model)
         problems = backend_cls.validate(config, layers[0].spec, self.dtype, self.device)
         if problems:
             raise ValueError(f"attention_backend={config.attention_backend!r}: " + "; ".join(problems))
 
-        self.num_kv_blocks = self._num_kv_blocks(layers)
+        self.num_kv_blocks = self._num_kv_blocks(layers, list(model.parameters()))
         if self.num_kv_blocks * config.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {self.num_kv_blocks} blocks x {config.block_size} = "
@@ -59,6 +61,8 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager, policy_cls(config), self.max_model_len)
         self.eos_token_ids = eos_token_ids
+        # req_id -> when it was first scheduled, until its first output carries it out.
+        self._first_scheduled: dict[str, float] = {}
         self.runner = ModelRunner(
             config,
             model,
@@ -87,7 +91,7 @@ class EngineCore:
             raise ValueError(f"max_model_len={want} exceeds the model's max_position_embeddings={limit}")
         return want
 
-    def _num_kv_blocks(self, layers) -> int:
+    def _num_kv_blocks(self, layers, model_params) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
@@ -100,7 +104,11 @@ class EngineCore:
             inter = getattr(self.hf_config, "intermediate_size", 4 * hidden)
             activations = cfg.max_num_batched_tokens * (4 * hidden + 2 * inter) * 4 * 2
             logits = cfg.max_num_seqs * self.hf_config.vocab_size * 4 * 4
-            budget = total * cfg.gpu_memory_utilization - (total - free) - activations - logits
+            reserve = activations + logits
+            # Our share of the card (minus our weights), but never more than is free now:
+            # other engines in this process or on this GPU keep what they hold.
+            weights = sum(p.numel() * p.element_size() for p in model_params)
+            budget = min(total * cfg.gpu_memory_utilization - weights, free) - reserve
             return max(int(budget // per_block), 0)
         needed = cfg.max_num_seqs * cdiv(self.max_model_len, cfg.block_size)
         return max(1, min(cfg.cpu_kv_cache_space // per_block, needed))
@@ -111,6 +119,7 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
+            self._first_scheduled.pop(req.request_id, None)
             self.plugins.hook.pagelm_request_finished(request=req, reason="abort")
 
     def finish_by_stop_string(self, request_ids: Iterable[str]) -> None:
@@ -123,12 +132,19 @@ class EngineCore:
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         sched_out = self.scheduler.schedule()
+        if sched_out.scheduled_new_reqs:
+            now = time.time()
+            for new in sched_out.scheduled_new_reqs:  # resumed after preemption: keep the first time
+                self._first_scheduled.setdefault(new.req_id, now)
         if sched_out.is_empty:
             # Nothing runnable: still let the runner drop finished requests' state.
             self.runner.execute_model(sched_out)
             return []
         runner_out = self.runner.execute_model(sched_out)
         outputs, finished = self.scheduler.update_from_output(sched_out, runner_out)
+        if self._first_scheduled:
+            for out in outputs:
+                out.first_scheduled_time = self._first_scheduled.pop(out.request_id, None)
         for req in finished:
             self.plugins.hook.pagelm_request_finished(request=req, reason=req.status.finish_reason)
         return outputs
