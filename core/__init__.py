@@ -4,6 +4,7 @@ The public API mirrors vLLM's offline API: ``LLM``, ``SamplingParams``, ``Reques
 """
 
 from pagelm.hookspecs import hookimpl
+from pagelm.plugin_api import PLUGIN_API_VERSION
 from pagelm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -31,4 +32,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'pagelm' has no attribute {name!r}")
 
 
-__all__ = ["SamplingParams", "hookimpl", "__version__", *_LAZY]
+__all__ = ["PLUGIN_API_VERSION", "SamplingParams", "hookimpl", "__version__", *_LAZY]

@@ -6,6 +6,8 @@ called X" for every plugin kind.
   loads only the named ones.
 * Loading is idempotent and happens once per process; ``check_pending()`` afterwards makes a
   misspelt ``pagelm_*`` hook fail loudly.
+* A plugin declaring an incompatible ``PAGELM_PLUGIN_API`` is rejected with a message naming
+  it and both versions (see :mod:`pagelm.plugin_api`).
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import threading
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pluggy
 
 from pagelm import hookspecs
+from pagelm.plugin_api import PLUGIN_API_ATTRIBUTE, PLUGIN_API_VERSION, api_incompatibility, declared_api_version
 from pagelm.registry import Registry
 
 ENTRY_POINT_GROUP = "pagelm.plugins"
 BUILTIN_DISTRIBUTION = "pagelm"
+IN_PROCESS = "(in-process)"
 
 
 class PluginLoadError(RuntimeError):
@@ -35,6 +40,8 @@ class PluginInfo:
     module: str
     distribution: str
     version: str
+    # PAGELM_PLUGIN_API as declared (None: not declared).
+    api_version: str | None = None
 
     @property
     def builtin(self) -> bool:
@@ -46,11 +53,16 @@ class PluginManager:
         self.pm = pluggy.PluginManager("pagelm")
         self.pm.add_hookspecs(hookspecs)
         self.loaded: dict[str, PluginInfo] = {}
+        # Entry points found but not loaded: name -> (info, why). Filled by
+        # ``load_entry_points(strict=False)`` with errors, and always with skipped plugins.
+        self.not_loaded: dict[str, tuple[PluginInfo, str]] = {}
         self._entry_points_loaded = False
         self._lock = threading.Lock()
 
     # ---- loading -------------------------------------------------------------------------
-    def load_entry_points(self) -> None:
+    def load_entry_points(self, strict: bool = True) -> None:
+        """Import and register every entry point in ``pagelm.plugins``. With ``strict=False``
+        (``pagelm plugins``) a failing plugin is recorded in ``not_loaded`` instead of raising."""
         with self._lock:
             if self._entry_points_loaded:
                 return
@@ -59,26 +71,39 @@ class PluginManager:
             for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
                 dist = ep.dist.name if ep.dist is not None else "?"
                 version = ep.dist.version if ep.dist is not None else "?"
+                info = PluginInfo(ep.name, ep.value, dist, version)
                 if dist != BUILTIN_DISTRIBUTION:
-                    if not autoload or (allow is not None and ep.name not in allow):
+                    if not autoload:
+                        self.not_loaded[ep.name] = (info, "disabled (PAGELM_DISABLE_PLUGIN_AUTOLOAD)")
+                        continue
+                    if allow is not None and ep.name not in allow:
+                        self.not_loaded[ep.name] = (info, "disabled (not in PAGELM_PLUGINS)")
                         continue
                 if ep.name in self.loaded:
                     continue
                 try:
-                    plugin = ep.load()
-                except Exception as exc:
-                    raise PluginLoadError(
-                        f"pagelm plugin {ep.name!r} ({ep.value}, from {dist}) failed to import: "
-                        f"{type(exc).__name__}: {exc}"
-                    ) from exc
-                self._register(plugin, PluginInfo(ep.name, ep.value, dist, version))
+                    self._register(self._import(ep, info), info)
+                except PluginLoadError as exc:
+                    if strict:
+                        raise
+                    self.not_loaded[ep.name] = (info, f"error: {exc}")
             self._entry_points_loaded = True
             self.check_pending()
+
+    @staticmethod
+    def _import(ep: importlib.metadata.EntryPoint, info: PluginInfo) -> Any:
+        try:
+            return ep.load()
+        except Exception as exc:
+            raise PluginLoadError(
+                f"pagelm plugin {info.name!r} ({info.module}, from {info.distribution}) failed to import: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
     def register(self, plugin: Any, name: str | None = None) -> None:
         """Register an in-process plugin object or module (tests, notebooks)."""
         name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
-        self._register(plugin, PluginInfo(name, getattr(plugin, "__name__", repr(plugin)), "(in-process)", "-"))
+        self._register(plugin, PluginInfo(name, getattr(plugin, "__name__", repr(plugin)), IN_PROCESS, "-"))
         self.check_pending()
 
     def unregister(self, name: str) -> None:
@@ -88,11 +113,31 @@ class PluginManager:
     def _register(self, plugin: Any, info: PluginInfo) -> None:
         if self.pm.is_registered(plugin) or self.pm.get_plugin(info.name) is not None:
             return
+        info = replace(info, api_version=self._check_api_version(plugin, info))
         try:
             self.pm.register(plugin, name=info.name)
         except Exception as exc:
             raise PluginLoadError(f"pagelm plugin {info.name!r} could not be registered: {exc}") from exc
         self.loaded[info.name] = info
+
+    @staticmethod
+    def _check_api_version(plugin: Any, info: PluginInfo) -> str | None:
+        declared = declared_api_version(plugin)
+        if declared is None:
+            if info.distribution not in (BUILTIN_DISTRIBUTION, IN_PROCESS):
+                warnings.warn(
+                    f"pagelm plugin {info.name!r} (from {info.distribution}) does not declare "
+                    f"{PLUGIN_API_ATTRIBUTE}; assuming plugin API {PLUGIN_API_VERSION}",
+                    stacklevel=4,
+                )
+            return None
+        problem = api_incompatibility(declared)
+        if problem is not None:
+            raise PluginLoadError(
+                f"pagelm plugin {info.name!r} ({info.module}, from {info.distribution} {info.version}) "
+                f"is incompatible: {problem}"
+            )
+        return declared
 
     def check_pending(self) -> None:
         try:
@@ -101,25 +146,52 @@ class PluginManager:
             raise PluginLoadError(f"a pagelm plugin implements an unknown hook: {exc}") from exc
 
     # ---- registries ----------------------------------------------------------------------
-    def _collect(self, kind: str, hook_name: str) -> Registry:
+    def _collect(self, kind: str, exclude: list[Any] | None = None) -> Registry:
         self.load_entry_points()
-        registry: Registry = Registry(kind)
-        getattr(self.pm.hook, hook_name)(registry=registry)
+        hook_name, base = _registry_kinds()[kind]
+        registry: Registry = Registry(kind, base=base)
+        caller = getattr(self.pm.hook, hook_name)
+        if exclude:
+            caller = self.pm.subset_hook_caller(hook_name, remove_plugins=exclude)
+        caller(registry=registry)
         return registry
 
     def attention_backends(self) -> Registry:
-        return self._collect("attention backend", "pagelm_register_attention_backends")
+        return self._collect("attention backend")
 
     def scheduling_policies(self) -> Registry:
-        return self._collect("scheduling policy", "pagelm_register_scheduling_policies")
+        return self._collect("scheduling policy")
 
     def models(self) -> Registry:
-        return self._collect("model architecture", "pagelm_register_models")
+        return self._collect("model architecture")
+
+    def registrations(self, plugin_name: str) -> dict[str, list[str]]:
+        """What one loaded plugin registers: ``{kind: [names]}`` (``pagelm plugins``)."""
+        plugin = self.pm.get_plugin(plugin_name)
+        others = [p for name, p in self.pm.list_name_plugin() if p is not plugin]
+        out = {}
+        for kind in _registry_kinds():
+            names = self._collect(kind, exclude=others).names()
+            if names:
+                out[kind] = names
+        return out
 
     @property
     def hook(self) -> Any:
         self.load_entry_points()
         return self.pm.hook
+
+
+def _registry_kinds() -> dict[str, tuple[str, type | None]]:
+    """Plugin kind -> (registration hook, the ABC its entries must subclass)."""
+    from pagelm.attention import AttentionBackend
+    from pagelm.sched.policy import SchedulingPolicy
+
+    return {
+        "attention backend": ("pagelm_register_attention_backends", AttentionBackend),
+        "scheduling policy": ("pagelm_register_scheduling_policies", SchedulingPolicy),
+        "model architecture": ("pagelm_register_models", None),
+    }
 
 
 def _allow_list() -> set[str] | None:

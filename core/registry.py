@@ -12,12 +12,19 @@ class UnknownNameError(ValueError):
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, base: type | None = None) -> None:
         self.kind = kind
+        # The plugin ABC every entry must subclass (None: anything goes).
+        self.base = base
         self._entries: dict[str, T] = {}
         self._sources: dict[str, str] = {}
 
     def add(self, name: str, entry: T, *, source: str | None = None) -> None:
+        if self.base is not None and not (isinstance(entry, type) and issubclass(entry, self.base)):
+            raise TypeError(
+                f"{self.kind} {name!r} must be a subclass of {self.base.__module__}.{self.base.__qualname__}, "
+                f"got {entry!r}"
+            )
         if name in self._entries and self._entries[name] is not entry:
             raise ValueError(
                 f"{self.kind} {name!r} registered twice "

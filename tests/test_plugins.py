@@ -1,11 +1,16 @@
-"""Plugin manager: entry-point discovery, allow-list, autoload switch, clear errors."""
+"""Plugin manager: entry-point discovery, allow-list, autoload switch, clear errors, the
+plugin API version check, and `pagelm plugins`."""
 
+import json
 import sys
 import textwrap
+import warnings
 
 import pytest
 
 from pagelm import hookimpl
+from pagelm.cli import main as cli_main
+from pagelm.plugin_api import PLUGIN_API_VERSION, api_incompatibility
 from pagelm.plugin_manager import PluginLoadError, PluginManager
 from pagelm.registry import UnknownNameError
 
@@ -26,6 +31,8 @@ def install_fake_distribution(tmp_path, monkeypatch, name, module_source, entry_
 GOOD_PLUGIN = """
     from pagelm import hookimpl
     from pagelm.plugins.policies.fcfs import FCFSPolicy
+
+    PAGELM_PLUGIN_API = "1.0"
 
     class LIFO(FCFSPolicy):
         name = "lifo_from_dist"
@@ -118,3 +125,120 @@ def test_loading_is_idempotent():
     pm.load_entry_points()
     assert pm.loaded == before
     assert len(pm.scheduling_policies()) == len(pm.scheduling_policies())
+
+
+# ---- plugin API version -----------------------------------------------------------------------
+
+
+def plugin_declaring(version):
+    return GOOD_PLUGIN.replace('PAGELM_PLUGIN_API = "1.0"', f"PAGELM_PLUGIN_API = {version!r}")
+
+
+def test_declared_api_version_is_recorded(tmp_path, monkeypatch):
+    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", GOOD_PLUGIN)
+    pm = PluginManager()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a declaring plugin loads without a warning
+        pm.load_entry_points()
+    assert pm.loaded["pagelm_lifo"].api_version == "1.0"
+    assert pm.loaded["fcfs"].api_version == PLUGIN_API_VERSION
+
+
+def test_plugin_for_another_major_api_is_rejected_naming_both_versions(tmp_path, monkeypatch):
+    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("2.0"))
+    with pytest.raises(PluginLoadError, match=r"'pagelm_lifo'.*incompatible.*plugin API 2\.0.*provides plugin API 1\.0"):
+        PluginManager().load_entry_points()
+
+
+def test_plugin_needing_a_newer_minor_api_is_rejected(tmp_path, monkeypatch):
+    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("1.7"))
+    with pytest.raises(PluginLoadError, match=r"declares plugin API 1\.7, newer than this pagelm's plugin API 1\.0"):
+        PluginManager().load_entry_points()
+
+
+def test_malformed_api_version_is_rejected(tmp_path, monkeypatch):
+    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("one"))
+    with pytest.raises(PluginLoadError, match=r"must look like 'MAJOR.MINOR'"):
+        PluginManager().load_entry_points()
+
+
+@pytest.mark.parametrize("declared, provided, ok", [
+    ("1.0", "1.0", True), ("1.0", "1.3", True), ("1", "1.3", True), (1, "1.0", True),
+    ("1.4", "1.3", False), ("2.0", "1.3", False), ("0.9", "1.3", False),
+])
+def test_api_compatibility_rule(declared, provided, ok):
+    assert (api_incompatibility(declared, provided) is None) == ok
+
+
+def test_undeclared_api_version_loads_with_a_warning(tmp_path, monkeypatch):
+    source = GOOD_PLUGIN.replace('PAGELM_PLUGIN_API = "1.0"', "")
+    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", source)
+    pm = PluginManager()
+    with pytest.warns(UserWarning, match=r"'pagelm_lifo'.*does not declare PAGELM_PLUGIN_API"):
+        pm.load_entry_points()
+    assert "lifo_from_dist" in pm.scheduling_policies()
+    assert pm.loaded["pagelm_lifo"].api_version is None
+
+
+def test_registry_rejects_an_entry_of_the_wrong_kind():
+    class NotAPolicy:
+        pass
+
+    class Plugin:
+        @hookimpl
+        def pagelm_register_scheduling_policies(self, registry):
+            registry.add("bogus", NotAPolicy)
+
+    pm = PluginManager()
+    pm.register(Plugin(), name="bogus-plugin")
+    with pytest.raises(TypeError, match=r"scheduling policy 'bogus' must be a subclass of pagelm.sched.policy.SchedulingPolicy"):
+        pm.scheduling_policies()
+
+
+def test_non_strict_loading_records_broken_plugins(tmp_path, monkeypatch):
+    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("2.0"))
+    pm = PluginManager()
+    pm.load_entry_points(strict=False)
+    info, why = pm.not_loaded["pagelm_lifo"]
+    assert why.startswith("error:") and "plugin API 2.0" in why
+    assert "fcfs" in pm.scheduling_policies()
+
+
+# ---- pagelm plugins ---------------------------------------------------------------------------
+
+
+def plugins_json(capsys):
+    assert cli_main(["plugins", "--json"]) == 0
+    return {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+
+
+def test_cli_lists_builtin_plugins_with_kind_package_and_version(capsys):
+    rows = plugins_json(capsys)
+    for name in ("fcfs", "priority", "sjf"):
+        assert rows[name]["kind"] == "scheduling policy"
+        assert rows[name]["registers"] == {"scheduling policy": [name]}
+    assert rows["torch_attention"]["registers"] == {"attention backend": ["torch"]}
+    assert "LlamaForCausalLM" in rows["models"]["registers"]["model architecture"]
+    import pagelm
+
+    mine = ("fcfs", "priority", "sjf", "torch_attention", "models")
+    assert {(rows[n]["package"], rows[n]["version"], rows[n]["plugin_api"]) for n in mine} == {("pagelm", pagelm.__version__, "1.0")}
+
+
+def test_cli_lists_third_party_broken_and_disabled_plugins(tmp_path, monkeypatch, capsys):
+    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", GOOD_PLUGIN)
+    install_fake_distribution(tmp_path, monkeypatch, "pagelm_future", plugin_declaring("9.0"))
+    rows = plugins_json(capsys)
+    assert rows["pagelm_lifo"]["registers"] == {"scheduling policy": ["lifo_from_dist"]}
+    assert (rows["pagelm_lifo"]["package"], rows["pagelm_lifo"]["version"]) == ("pagelm_lifo", "0.1")
+    assert "plugin API 9.0" in rows["pagelm_future"]["status"]
+    monkeypatch.setenv("PAGELM_DISABLE_PLUGIN_AUTOLOAD", "1")
+    rows = plugins_json(capsys)
+    assert rows["pagelm_lifo"]["status"] == "disabled (PAGELM_DISABLE_PLUGIN_AUTOLOAD)"
+
+
+def test_cli_table_names_the_columns(capsys):
+    assert cli_main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert out.split()[:7] == ["name", "kind", "registers", "package", "version", "api", "status"]
+    assert "pagelm plugin API 1.0" in out

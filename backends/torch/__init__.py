@@ -3,6 +3,8 @@
 from pagelm import hookimpl
 from pagelm.backends.torch.backend import TorchAttentionBackend
 
+PAGELM_PLUGIN_API = "1.0"
+
 
 @hookimpl
 def pagelm_register_attention_backends(registry) -> None:

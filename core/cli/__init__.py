@@ -8,7 +8,7 @@ import importlib
 import sys
 
 # Subcommand modules under pagelm.cli, in the order `pagelm --help` lists them.
-COMMANDS = ["generate"]
+COMMANDS = ["serve", "generate", "bench", "plugins", "simulate"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Set on a request's first output: when the scheduler first admitted it.
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:

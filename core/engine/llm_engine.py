@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Union
 
@@ -37,14 +37,17 @@ def load_eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """``core_factory(config, eos_token_ids)`` builds the engine core: ``EngineCore`` itself
+    (offline), or a client of one running in a thread or another process (``AsyncLLM``)."""
+
+    def __init__(self, config: EngineConfig, core_factory: Callable[..., Any] = EngineCore) -> None:
         self.config = config
         model_dir = Path(config.model).expanduser()
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         eos = load_eos_token_ids(model_dir, self.tokenizer) if model_dir.is_dir() else frozenset()
-        self.core = EngineCore(config, eos)
+        self.core = core_factory(config, eos)
         self.max_model_len = self.core.max_model_len
-        self.vocab_size = self.core.hf_config.vocab_size
+        self.vocab_size = self.core.vocab_size
         self.output_processor = OutputProcessor()
         self._block_hasher = make_block_hasher(config.block_size)
 
@@ -124,7 +127,8 @@ class LLMEngine:
             )
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
-        ids = list(request_ids)
+        """Abort requests; the id of an ``n > 1`` request aborts all its children."""
+        ids = self.output_processor.expand_ids(request_ids)
         self.core.abort_requests(ids)
         self.output_processor.abort(ids)
 

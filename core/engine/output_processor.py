@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagelm.engine.core_output import EngineCoreOutput
@@ -73,6 +74,11 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._sent_text_len = 0
+        # Streaming with stop strings holds back text that could still turn out to be the
+        # start of a stop string (and be cut), so deltas always add up to the final text.
+        self._stop_holdback = (
+            max(len(x) for x in params.stop) - 1 if params.stop and not params.include_stop_str_in_output else 0
+        )
         self._sent_tokens = 0
         self._sent_logprobs = 0
 
@@ -91,6 +97,8 @@ class RequestState:
     def apply(self, out: EngineCoreOutput, now: float) -> str | None:
         """Fold one step's output in; returns a stop string if one ended the request."""
         self.num_cached_tokens = out.num_cached_tokens
+        if out.first_scheduled_time is not None:
+            self.metrics.first_scheduled_time = out.first_scheduled_time
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._to_dicts(out.new_prompt_logprobs))
         if not out.new_token_ids:
@@ -116,16 +124,18 @@ class RequestState:
         """The whole completion so far (FINAL_ONLY) or only the new part (DELTA)."""
         text = self.detokenizer.output_text
         if self.output_kind == OutputKind.DELTA:
+            end = len(text) if self.finish_reason is not None else len(text) - self._stop_holdback
+            end = max(end, self._sent_text_len)
             c = CompletionOutput(
                 index=self.index,
-                text=text[self._sent_text_len :],
+                text=text[self._sent_text_len : end],
                 token_ids=self.token_ids[self._sent_tokens :],
                 cumulative_logprob=self.cumulative_logprob,
                 logprobs=None if self.logprobs is None else self.logprobs[self._sent_logprobs :],
                 finish_reason=self.finish_reason,
                 stop_reason=self.stop_reason,
             )
-            self._sent_text_len, self._sent_tokens = len(text), len(self.token_ids)
+            self._sent_text_len, self._sent_tokens = end, len(self.token_ids)
             self._sent_logprobs = len(self.logprobs or [])
             return c
         return CompletionOutput(
@@ -142,16 +152,37 @@ class RequestState:
 class OutputProcessor:
     def __init__(self) -> None:
         self.states: dict[str, RequestState] = {}
+        # n > 1: parent id -> ids of its unfinished children.
+        self.parent_children: dict[str, list[str]] = {}
 
     def add_request(self, state: RequestState) -> None:
         self.states[state.request_id] = state
+        if state.parent is not None:
+            self.parent_children.setdefault(state.parent.request_id, []).append(state.request_id)
+
+    def expand_ids(self, request_ids: Iterable[str]) -> list[str]:
+        """Request ids with each ``n > 1`` parent id replaced by its unfinished children."""
+        out: list[str] = []
+        for req_id in request_ids:
+            out.extend(self.parent_children.get(req_id, (req_id,)))
+        return out
+
+    def _forget(self, state: RequestState) -> None:
+        del self.states[state.request_id]
+        if state.parent is not None:
+            siblings = self.parent_children[state.parent.request_id]
+            siblings.remove(state.request_id)
+            if not siblings:
+                del self.parent_children[state.parent.request_id]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
 
     def abort(self, request_ids: list[str]) -> None:
         for req_id in request_ids:
-            self.states.pop(req_id, None)
+            state = self.states.get(req_id)
+            if state is not None:
+                self._forget(state)
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
@@ -169,7 +200,7 @@ class OutputProcessor:
                 to_abort.append(out.request_id)
             finished = state.finish_reason is not None
             if finished:
-                del self.states[out.request_id]
+                self._forget(state)
             result = self._make_output(state, finished)
             if result is not None:
                 results.append(result)

@@ -1,8 +1,16 @@
 """The scheduling-policy contract: the shape of the waiting queue and who gets preempted.
 
-The scheduler owns the mechanism (token budget, KV allocation, chunking); a policy only
-decides order. Built-in and third-party policies register through
-``pagelm_register_scheduling_policies`` and are chosen with ``scheduling_policy=<name>``.
+The scheduler owns the mechanism (token budget, KV allocation, chunking, preemption); a
+policy only decides order and who gives way. Built-in and third-party policies register
+through ``pagelm_register_scheduling_policies`` and are chosen with ``scheduling_policy=<name>``.
+
+Two preemption questions reach the policy:
+
+* ``select_victim(running)``: a *running* request needs KV slots and the pool is full; which
+  running request is preempted (it may be the one asking).
+* ``select_victim_for(request, running)``: the *waiting* head cannot be admitted (no KV room,
+  or ``max_num_seqs`` running); return a running request to preempt in its favour, or None to
+  let it wait. The default is None (no running request is ever preempted for a waiting one).
 """
 
 from __future__ import annotations
@@ -60,3 +68,11 @@ class SchedulingPolicy(ABC):
     def select_victim(self, running: list["Request"]) -> "Request":
         """Which running request to preempt when the KV pool is full (``running`` is in
         admission order and not empty)."""
+
+    def select_victim_for(self, request: "Request", running: list["Request"]) -> "Request | None":
+        """``request`` (the head of the queue) cannot be admitted for lack of KV blocks or
+        because ``max_num_seqs`` requests run: a running request to preempt for it, or None
+        to wait. The scheduler asks again after each preemption until the request fits or
+        this returns None, so a victim must rank strictly below ``request`` or the two could
+        displace each other forever."""
+        return None

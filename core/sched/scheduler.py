@@ -9,6 +9,7 @@ waiting queue and picks preemption victims.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from pagelm.config import EngineConfig
 from pagelm.engine.core_output import EngineCoreOutput
@@ -77,75 +78,86 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
         self._finished_since_last_step = set()
-        budget = self.config.max_num_batched_tokens
-        new_block_ids: dict[str, list[int]] = {}
-        num_partial = 0
+        step = _StepState(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(out, step)
+        # A running request had to give way for KV room: the pool is tight, admit nobody.
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, step)
+        self._finalize(out, step)
+        return out
 
+    def _schedule_running(self, out: SchedulerOutput, step: "_StepState") -> None:
         # Decodes first, then unfinished prefills: a long prompt never starves decodes.
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
-            if budget == 0:
+            if step.budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(req, req.num_computed_tokens, step.budget)
             partial = req.num_computed_tokens + num_new < req.num_tokens
-            if partial and num_partial >= self.config.max_num_partial_prefills:
+            if partial and step.num_partial >= self.config.max_num_partial_prefills:
                 continue
-            blocks = self._allocate_or_preempt(req, num_new, out)
+            blocks = self._allocate_or_preempt(req, num_new, out, step)
             if blocks is None:
                 continue
-            out.num_scheduled_tokens[req.request_id] = num_new
-            new_block_ids[req.request_id] = [b.block_id for b in blocks]
-            budget -= num_new
-            num_partial += partial
+            step.book(req, num_new, partial, out)
+            step.new_block_ids[req.request_id] = [b.block_id for b in blocks]
 
-        # Admit waiting requests only if nobody was preempted: the pool is tight.
-        while not out.preempted_req_ids and len(self.waiting) and budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
-                break
+    def _schedule_waiting(self, out: SchedulerOutput, step: "_StepState") -> None:
+        """Admit waiting requests in policy order. When the head does not fit (KV blocks or
+        ``max_num_seqs``) the policy may name a running request to preempt for it."""
+        while len(self.waiting) and step.budget > 0:
             req = self.waiting.peek()
+            if req.request_id in out.preempted_req_ids:
+                break  # it gave way this very step; taking it back now would only thrash
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-            num_new = self._num_new_tokens(req, num_hit_tokens, budget)
+            num_new = self._num_new_tokens(req, num_hit_tokens, step.budget)
             partial = num_hit_tokens + num_new < req.num_tokens
-            if partial and num_partial >= self.config.max_num_partial_prefills:
+            if partial and step.num_partial >= self.config.max_num_partial_prefills:
                 break
-            blocks = self.kv.allocate_slots(req, num_new, new_computed_blocks=hits)
-            if blocks is None:
+            if len(self.running) < self.config.max_num_seqs:
+                if self.kv.allocate_slots(req, num_new, new_computed_blocks=hits) is not None:
+                    self._admit(req, num_hit_tokens, out)
+                    step.book(req, num_new, partial, out)
+                    continue
+            victim = self.waiting.select_victim_for(req, self.running)
+            if victim is None:
                 break
-            self.waiting.pop()
-            if req.num_cached_tokens < 0:  # first admission: report prefix hits to the user
-                req.num_cached_tokens = num_hit_tokens
-                self.kv.prefix_cache_stats.record(req.num_tokens, num_hit_tokens)
-            req.num_computed_tokens = num_hit_tokens
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled_new_reqs.append(
-                NewRequestData(
-                    req_id=req.request_id,
-                    prompt_token_ids=req.prompt_token_ids,
-                    output_token_ids=list(req.output_token_ids),
-                    sampling_params=req.sampling_params,
-                    block_ids=self.kv.get_block_ids(req.request_id),
-                    num_computed_tokens=num_hit_tokens,
-                    need_prompt_logprobs=not req.prompt_logprobs_done,
-                )
-            )
-            out.num_scheduled_tokens[req.request_id] = num_new
-            budget -= num_new
-            num_partial += partial
+            assert victim in self.running, f"{type(self.waiting).__name__} chose a victim that is not running"
+            self._preempt(victim, out, step)
 
+    def _admit(self, req: Request, num_hit_tokens: int, out: SchedulerOutput) -> None:
+        self.waiting.pop()
+        if req.num_cached_tokens < 0:  # first admission: report prefix hits to the user
+            req.num_cached_tokens = num_hit_tokens
+            self.kv.prefix_cache_stats.record(req.num_tokens, num_hit_tokens)
+        req.num_computed_tokens = num_hit_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled_new_reqs.append(
+            NewRequestData(
+                req_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=list(req.output_token_ids),
+                sampling_params=req.sampling_params,
+                block_ids=self.kv.get_block_ids(req.request_id),
+                num_computed_tokens=num_hit_tokens,
+                need_prompt_logprobs=not req.prompt_logprobs_done,
+            )
+        )
+
+    def _finalize(self, out: SchedulerOutput, step: "_StepState") -> None:
         new_ids = {r.req_id for r in out.scheduled_new_reqs}
         for req_id, num_new in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
             if req_id not in new_ids:
                 out.scheduled_cached_reqs.append(
-                    CachedRequestData(req_id, new_block_ids[req_id], req.num_computed_tokens)
+                    CachedRequestData(req_id, step.new_block_ids[req_id], req.num_computed_tokens)
                 )
             # Progress is booked at scheduling time; the runner reads the pre-step value.
             req.num_computed_tokens += num_new
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
-        return out
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
         num_new = req.num_tokens - num_computed
@@ -153,7 +165,7 @@ class Scheduler:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return min(num_new, budget)
 
-    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput):
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput, step: "_StepState"):
         """Allocate slots for ``req``, preempting policy-chosen victims until it fits.
         Returns the new blocks, or None if ``req`` itself was preempted."""
         while True:
@@ -161,15 +173,14 @@ class Scheduler:
             if blocks is not None:
                 return blocks
             victim = self.waiting.select_victim(self.running)
-            self._preempt(victim, out)
+            self._preempt(victim, out, step)
             if victim is req:
                 return None
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput, step: "_StepState") -> None:
         """Recompute preemption: free the blocks, forget the progress, queue it again."""
         self.running.remove(req)
-        # If it was scheduled earlier this step, unschedule it (its budget goes unused).
-        out.num_scheduled_tokens.pop(req.request_id, None)
+        step.unbook(req, out)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -232,3 +243,29 @@ class Scheduler:
             req.num_tokens >= self.max_model_len
         ):
             req.status = RequestStatus.FINISHED_LENGTH
+
+
+@dataclass(slots=True)
+class _StepState:
+    """What one ``schedule()`` call has handed out so far."""
+
+    budget: int
+    num_partial: int = 0
+    partial_ids: set[str] = field(default_factory=set)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    def book(self, req: Request, num_new: int, partial: bool, out: SchedulerOutput) -> None:
+        out.num_scheduled_tokens[req.request_id] = num_new
+        self.budget -= num_new
+        if partial:
+            self.num_partial += 1
+            self.partial_ids.add(req.request_id)
+
+    def unbook(self, req: Request, out: SchedulerOutput) -> None:
+        """Undo ``book`` for a request preempted later in the same step."""
+        self.budget += out.num_scheduled_tokens.pop(req.request_id, 0)
+        self.new_block_ids.pop(req.request_id, None)
+        if req.request_id in self.partial_ids:
+            self.partial_ids.discard(req.request_id)
+            self.num_partial -= 1
+        out.scheduled_new_reqs = [r for r in out.scheduled_new_reqs if r.req_id != req.request_id]

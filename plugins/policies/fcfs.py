@@ -10,6 +10,8 @@ from pagelm import hookimpl
 from pagelm.request import Request
 from pagelm.sched.policy import SchedulingPolicy
 
+PAGELM_PLUGIN_API = "1.0"
+
 
 class FCFSPolicy(SchedulingPolicy):
     name = "fcfs"

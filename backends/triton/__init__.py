@@ -1,0 +1,13 @@
+"""The ``triton`` attention backend plugin: paged attention in Triton kernels (CUDA; CPU
+only under ``TRITON_INTERPRET=1``). Importing it does not import Triton."""
+
+from pagelm import hookimpl
+from pagelm.backends.triton.backend import TritonAttentionBackend
+
+
+@hookimpl
+def pagelm_register_attention_backends(registry) -> None:
+    registry.add(TritonAttentionBackend.name, TritonAttentionBackend)
+
+
+__all__ = ["TritonAttentionBackend"]

@@ -1,0 +1,373 @@
+"""Triton paged attention for variable-length queries over the paged KV cache.
+
+One kernel serves decode, prefill and chunked prefill on a cached prefix in the same batch.
+Query ``i`` of a request with ``seq_len`` tokens and ``query_len`` new ones sits at position
+``seq_len - query_len + i``; it sees every cached key and the new keys up to itself::
+
+    keys ->    | cached prefix (ctx_len) | new tokens (query_len) |
+    q@ctx+0    [ x x x x x x x x x x x x   x . . . ]
+    q@ctx+3    [ x x x x x x x x x x x x   x x x x ]
+
+A program owns one *q-block* (``BLOCK_Q`` consecutive query tokens of one request) and one
+KV head, and computes all ``GROUP = num_heads // num_kv_heads`` query heads that share it,
+so a tile of ``BLOCK_M = BLOCK_Q * GROUP`` rows reuses each K/V tile it loads (GQA)::
+
+    row r -> query token q_block_start + r // GROUP, query head kv_head * GROUP + r % GROUP
+
+It walks the request's keys in tiles of ``TILE_N`` positions, gathering each key's block
+through the block table (so ``TILE_N`` need not match the cache's block size), with an
+online softmax (running max ``m``, sum ``l``, unnormalised ``acc``) in float32.
+
+Grid of the main launch: ``(num_tokens // BLOCK_Q + num_reqs, num_kv_heads)``; a program
+finds its request by binary search over ``query_start_loc`` (request ``i``'s q-blocks start
+at ``query_start_loc[i] // BLOCK_Q + i``), which needs no per-step host work and fits any
+batch; the few programs past the end of a request return at once.
+
+Split-K decode: a decode (query_len 1) at long context is one q-block, so on its own it would
+occupy ``num_kv_heads`` programs. The split launch gives each decode ``num_splits`` programs
+over consecutive ranges of KV tiles; each writes its partial ``(m, l, acc)`` to a scratch
+buffer, and a reduce kernel merges them::
+
+    out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,   M = max_s m_s
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
+    """The last request whose first q-block (``query_start_loc[i] // BLOCK_Q + i``) is at
+    or before ``pid``."""
+    lo = pid * 0  # a tensor, so the result has one type whether or not the loop runs
+    hi = num_reqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        at_or_before = first <= pid
+        lo = tl.where(at_or_before, mid, lo)
+        hi = tl.where(at_or_before, hi, mid)
+    return lo
+
+
+@triton.jit
+def _dot(a, b, EXACT_FP32: tl.constexpr, DOT_FP32: tl.constexpr):
+    # EXACT_FP32: float32 operands multiplied in full precision (not TF32), so float32 models
+    # match the reference. DOT_FP32: only under the CPU interpreter, whose dot cannot
+    # multiply bfloat16 operands.
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif EXACT_FP32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    decode_req_idx_ptr,  # SPLIT: program -> request
+    partial_m_ptr,  # SPLIT: [rows, num_heads] f32, row = decode * num_splits + split
+    partial_l_ptr,
+    partial_acc_ptr,  # SPLIT: [rows, num_heads, HEAD_DIM] f32
+    num_reqs,
+    num_heads,
+    num_splits,
+    scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    sliding_window,
+    stride_query_tok,
+    stride_out_tok,
+    stride_block_table,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SKIP_DECODES: tl.constexpr,  # decodes go through the split launch this step
+    USE_WINDOW: tl.constexpr,
+    EXACT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if SPLIT:
+        req = tl.load(decode_req_idx_ptr + pid)
+        q_block_start = 0
+    else:
+        req = _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q)
+        q_block_start = (pid - (tl.load(query_start_loc_ptr + req) // BLOCK_Q + req)) * BLOCK_Q
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if q_block_start >= q_len:
+        return
+    if SKIP_DECODES:
+        if q_len == 1:
+            return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_block_start + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = ctx_len + tok
+    dims = tl.arange(0, HEAD_PAD)
+    dim_valid = dims < HEAD_DIM
+    q_row = (q_start + tok).to(tl.int64) * stride_query_tok + head * HEAD_DIM
+    q = tl.load(
+        query_ptr + q_row[:, None] + dims[None, :], mask=row_valid[:, None] & dim_valid[None, :], other=0.0
+    )
+
+    # Keys this q-block can see: [kv_start, kv_end), cut into TILE_N-wide tiles.
+    kv_end = ctx_len + tl.minimum(q_block_start + BLOCK_Q, q_len)
+    kv_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(ctx_len + q_block_start - sliding_window + 1, 0)
+    num_tiles = tl.cdiv(kv_end - kv_start, TILE_N)
+    tile_lo = 0
+    tile_hi = num_tiles
+    if SPLIT:
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    block_table_row = block_table_ptr + req.to(tl.int64) * stride_block_table
+    for t in range(tile_lo, tile_hi):
+        k_pos = kv_start + t * TILE_N + tl.arange(0, TILE_N)
+        k_valid = k_pos < kv_end
+        block = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        kv_offset = (
+            block * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+        )
+        kv_mask = k_valid[:, None] & dim_valid[None, :]
+        k = tl.load(key_cache_ptr + kv_offset[None, :] + dims[:, None], mask=tl.trans(kv_mask), other=0.0)
+        v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+
+        s = _dot(q, k, EXACT_FP32, DOT_FP32) * scale_log2  # [BLOCK_M, TILE_N]
+        visible = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead so
+        # exp2 gives 0 rather than NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m - m_shift)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT_FP32, DOT_FP32)
+        m = m_new
+
+    out_mask = row_valid[:, None] & dim_valid[None, :]
+    if SPLIT:
+        row = (pid * num_splits + split).to(tl.int64) * num_heads + head
+        tl.store(partial_m_ptr + row, m, mask=row_valid)
+        tl.store(partial_l_ptr + row, l, mask=row_valid)
+        tl.store(partial_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
+    else:
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        out_row = (q_start + tok).to(tl.int64) * stride_out_tok + head * HEAD_DIM
+        tl.store(out_ptr + out_row[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr,
+    partial_m_ptr,
+    partial_l_ptr,
+    partial_acc_ptr,
+    decode_req_idx_ptr,
+    query_start_loc_ptr,
+    num_heads,
+    num_splits,
+    stride_out_tok,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    decode = tl.program_id(0)
+    head = tl.program_id(1)
+    tok = tl.load(query_start_loc_ptr + tl.load(decode_req_idx_ptr + decode)).to(tl.int64)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < num_splits
+    row = (decode * num_splits + splits).to(tl.int64) * num_heads + head
+    m = tl.load(partial_m_ptr + row, mask=split_valid, other=float("-inf"))
+    l = tl.load(partial_l_ptr + row, mask=split_valid, other=0.0)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_valid = dims < HEAD_DIM
+    acc = tl.load(
+        partial_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    # Split 0 always covers the first key tile, so the max is finite; empty splits
+    # (m = -inf) get weight 0.
+    weight = tl.exp2(m - tl.max(m, 0))
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    out_row = tok * stride_out_tok + head * HEAD_DIM
+    tl.store(out_ptr + out_row + dims, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
+
+
+# True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import).
+INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+def tile_config(group: int, head_dim: int, max_query_len: int) -> TileConfig:
+    """Decode-like batches use the smallest MMA tile (16 rows) and 32-key tiles (finer split-K
+    ranges); longer queries use 64 rows so each K/V tile serves more queries. Rows must hold at
+    least one token's group."""
+    head_pad = triton.next_power_of_2(head_dim)
+    if max_query_len * group <= 16:
+        block_m, tile_n = 16, 32
+    elif head_pad <= 128:
+        block_m, tile_n = 64, 64
+    else:
+        block_m, tile_n = 32, 32
+    block_m = max(block_m, triton.next_power_of_2(group))
+    return TileConfig(block_m, tile_n, num_warps=4, num_stages=2 if head_pad > 128 else 3)
+
+
+@dataclass
+class SplitScratch:
+    """Persistent float32 partials for split-K decode, shared by every layer of one shape."""
+
+    m: torch.Tensor  # [max_rows, num_heads]
+    l: torch.Tensor  # [max_rows, num_heads]
+    acc: torch.Tensor  # [max_rows, num_heads, head_dim]
+
+    @classmethod
+    def allocate(cls, max_rows: int, num_heads: int, head_dim: int, device: torch.device) -> "SplitScratch":
+        f32 = torch.float32
+        return cls(
+            torch.empty(max_rows, num_heads, dtype=f32, device=device),
+            torch.empty(max_rows, num_heads, dtype=f32, device=device),
+            torch.empty(max_rows, num_heads, head_dim, dtype=f32, device=device),
+        )
+
+
+def paged_attention(
+    out: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+    query: torch.Tensor,  # [num_tokens, num_heads * head_dim], rows may be strided
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    *,
+    num_reqs: int,
+    num_tokens: int,
+    max_query_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    sliding_window: int | None,
+    skip_decodes: bool = False,
+) -> None:
+    """Attention for every request's q-blocks, written straight to ``out`` (decodes too,
+    unless ``skip_decodes``: then the split launch owns them)."""
+    group = num_heads // num_kv_heads
+    cfg = tile_config(group, head_dim, max_query_len)
+    block_q = cfg.block_m // group
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads, 1)
+    _paged_attention_kernel[grid](
+        out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+        query_start_loc, out, out, out,  # split-only pointers: unused here
+        num_reqs, num_heads, 1, scale * math.log2(math.e), sliding_window or 0,
+        query.stride(0), out.stride(0), block_table.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        **_constexprs(group, head_dim, key_cache, cfg, block_q, query.dtype, sliding_window),
+        SPLIT=False,
+        SKIP_DECODES=skip_decodes,
+    )
+
+
+def split_decode_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    decode_req_idx: torch.Tensor,  # [num_decodes] int32: the requests with query_len 1
+    scratch: SplitScratch,
+    *,
+    num_decodes: int,
+    num_splits: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """Flash-decoding: ``num_splits`` programs per (decode, KV head), then a reduce."""
+    assert num_decodes * num_splits <= scratch.m.shape[0]
+    group = num_heads // num_kv_heads
+    cfg = tile_config(group, head_dim, max_query_len=1)
+    _paged_attention_kernel[(num_decodes, num_kv_heads, num_splits)](
+        out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+        decode_req_idx, scratch.m, scratch.l, scratch.acc,
+        num_decodes, num_heads, num_splits, scale * math.log2(math.e), sliding_window or 0,
+        query.stride(0), out.stride(0), block_table.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        **_constexprs(group, head_dim, key_cache, cfg, 1, query.dtype, sliding_window),
+        SPLIT=True,
+        SKIP_DECODES=False,
+    )
+    _reduce_splits_kernel[(num_decodes, num_heads)](
+        out, scratch.m, scratch.l, scratch.acc, decode_req_idx, query_start_loc,
+        num_heads, num_splits, out.stride(0),
+        HEAD_DIM=head_dim,
+        HEAD_PAD=triton.next_power_of_2(head_dim),
+        SPLITS_PAD=triton.next_power_of_2(max(num_splits, 2)),
+    )
+
+
+def _constexprs(group, head_dim, key_cache, cfg: TileConfig, block_q, dtype, sliding_window) -> dict:
+    return dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        # tl.dot needs every dimension >= 16.
+        HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=block_q,
+        TILE_N=cfg.tile_n,
+        USE_WINDOW=sliding_window is not None,
+        EXACT_FP32=dtype == torch.float32,
+        DOT_FP32=INTERPRETED and dtype == torch.bfloat16,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )

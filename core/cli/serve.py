@@ -1,0 +1,98 @@
+"""``pagelm serve [MODEL]``: the OpenAI-compatible HTTP server.
+
+MODEL is a local Hugging Face model directory or a hub id (org/name, downloaded through
+huggingface_hub, or taken from its cache when offline). Without MODEL, pagelm's built-in demo
+model is used (trained on first use). The engine core runs in its own process; this one
+serves HTTP, tokenizes and detokenizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from pagelm.cli.engine_args import add_engine_args, engine_kwargs
+
+logger = logging.getLogger("pagelm")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", nargs="?", help="model directory or hub id (default: the built-in demo model)")
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1; 0.0.0.0 for all)")
+    server.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    server.add_argument(
+        "--api-key", default=os.environ.get("PAGELM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGELM_API_KEY, else none)",
+    )
+    server.add_argument("--served-model-name", help="model name clients use (default: MODEL as given)")
+    server.add_argument("--revision", help="hub revision (branch, tag or commit) for a hub id MODEL")
+    server.add_argument(
+        "--log-stats-interval", type=float, default=10.0,
+        help="seconds between throughput/KV usage log lines; 0 turns them off (default: 10)",
+    )
+    server.add_argument("--log-level", default="info", help="log level (default: info)")
+    server.add_argument(
+        "--access-log", action=argparse.BooleanOptionalAction, default=True, help="log every HTTP request (default: on)"
+    )
+    server.add_argument(
+        "--engine-process", action=argparse.BooleanOptionalAction, default=True,
+        help="run the engine core in its own process; --no-engine-process runs it in a thread "
+        "of the server process, which then shares the GIL with HTTP (default: on)",
+    )
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def resolve_serve_model(given: str | None, revision: str | None = None) -> tuple[str, str]:
+    """(local model directory, default served name) for MODEL, the demo model when None."""
+    if given is None:
+        try:
+            from pagelm.demo_model import ensure_demo_model
+        except ImportError as exc:
+            raise SystemExit(f"no MODEL given and the built-in demo model is unavailable: {exc}")
+        path = ensure_demo_model()
+        return str(path), "pagelm-demo"
+    from pagelm.hub import ModelResolutionError, resolve_model
+
+    try:
+        return resolve_model(given, revision=revision), given
+    except ModelResolutionError as exc:
+        raise SystemExit(f"pagelm serve: {exc}")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagelm.config import EngineConfig
+    from pagelm.engine.async_llm import AsyncLLM
+    from pagelm.server.app import build_app
+
+    level = getattr(logging, args.log_level.upper(), logging.INFO)
+    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(message)s")
+    logging.getLogger("pagelm").setLevel(level)
+    kwargs = engine_kwargs(args)
+    path, default_name = resolve_serve_model(args.model or kwargs.pop("model", None), args.revision)
+    kwargs.pop("model", None)
+    config = EngineConfig.from_kwargs(path, **kwargs)
+    engine = AsyncLLM(
+        config,
+        engine_process=args.engine_process,
+        model_name=args.served_model_name or default_name,
+        log_stats_interval=args.log_stats_interval or None,
+    )
+    app = build_app(engine, api_key=args.api_key)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,
+        timeout_graceful_shutdown=5,
+    ))
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,238 @@
+"""AsyncLLM: many concurrent ``generate()`` streams over one engine core (continuous batching
+across clients). Requests join and leave at any step.
+
+    event loop (API process)                              engine core (own process or thread)
+    generate() -> LLMEngine.add_request ---- add ------->  busy loop: commands, step(), publish
+    _output_loop <- get_output() <--------- outputs -----
+      OutputProcessor: detokenize, stop strings
+      -> _Stream of each request -> the generate() that awaits it
+
+Tokenizing and detokenizing stay in the API process; the engine core only sees token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagelm.config import EngineConfig
+from pagelm.engine.core_client import EngineDeadError, InprocCoreClient, MPCoreClient
+from pagelm.engine.core_loop import SchedulerStats
+from pagelm.engine.llm_engine import LLMEngine, PromptType
+from pagelm.engine.output_processor import OutputKind
+from pagelm.metrics import EngineMetrics, StatsLogger
+from pagelm.outputs import RequestOutput
+from pagelm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagelm")
+
+__all__ = ["AsyncLLM", "EngineDeadError"]
+
+
+class _Stream:
+    """One request's outputs waiting for its consumer. A consumer that falls behind gets the
+    deltas merged into one output instead of a growing queue."""
+
+    __slots__ = ("pending", "error", "event")
+
+    def __init__(self) -> None:
+        self.pending: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.event = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        if self.pending is None:
+            self.pending = out
+            self.event.set()
+        else:
+            _merge_delta(self.pending, out)
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.event.set()
+
+    async def get(self) -> RequestOutput:
+        while self.pending is None:
+            if self.error is not None:
+                raise self.error
+            self.event.clear()
+            await self.event.wait()
+        out, self.pending = self.pending, None
+        return out
+
+
+def _merge_delta(acc: RequestOutput, new: RequestOutput) -> None:
+    for c in new.outputs:
+        prev = next((p for p in acc.outputs if p.index == c.index), None)
+        if prev is None:
+            acc.outputs.append(c)
+            continue
+        prev.text += c.text
+        prev.token_ids = prev.token_ids + c.token_ids
+        if c.logprobs is not None:
+            prev.logprobs = (prev.logprobs or []) + c.logprobs
+        prev.cumulative_logprob = c.cumulative_logprob
+        prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
+    acc.finished = new.finished
+    acc.metrics = new.metrics
+    acc.num_cached_tokens = new.num_cached_tokens
+
+
+class _Aborted(Exception):
+    """Ends a stream whose request was aborted through ``AsyncLLM.abort``."""
+
+
+class AsyncLLM:
+    """The async engine. ``engine_process=True`` runs the engine core in its own process
+    (the default for serving); ``False`` runs it in a thread of this process."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        engine_process: bool = True,
+        model_name: str | None = None,
+        log_stats_interval: float | None = 10.0,
+    ) -> None:
+        self.config = config
+        self.engine = LLMEngine(config, core_factory=MPCoreClient if engine_process else InprocCoreClient)
+        self.core = self.engine.core
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.model_name = model_name or config.model
+        self.metrics = EngineMetrics(self.model_name)
+        self.stats = SchedulerStats(num_free_blocks=self.core.num_kv_blocks, num_kv_blocks=self.core.num_kv_blocks)
+        self.metrics.record_step(self.stats, [], [])
+        self.log_stats_interval = log_stats_interval
+        self.dead_error: EngineDeadError | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._started: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    @classmethod
+    def from_model(cls, model: str, *, engine_process: bool = True, **engine_args: Any) -> "AsyncLLM":
+        return cls(EngineConfig.from_kwargs(model, **engine_args), engine_process=engine_process)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def _ensure_started(self) -> None:
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._start())
+        await self._started
+
+    async def _start(self) -> None:
+        # Start-up objects (torch, transformers, the tokenizer) never die: keep the garbage
+        # collector from walking them on every full collection of the serving loop.
+        gc.collect()
+        gc.freeze()
+        await self.core.start()
+        self._tasks.append(asyncio.create_task(self._output_loop(), name="pagelm-output-loop"))
+        if self.log_stats_interval:
+            self._tasks.append(asyncio.create_task(self._log_loop(), name="pagelm-stats-log"))
+
+    async def start(self) -> None:
+        """Start the output loop now (``generate`` also starts it on first use)."""
+        await self._ensure_started()
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead_error is None
+
+    def shutdown(self) -> None:
+        """Stop the output loop and the engine core (idempotent)."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        self.core.shutdown()
+
+    # ---- requests -------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        output_kind: OutputKind = OutputKind.DELTA,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs: deltas (``OutputKind.DELTA``, the default) or one final
+        output (``FINAL_ONLY``). Bad input raises ``ValueError`` before anything is queued.
+        Leaving the loop early (or being cancelled) aborts the request."""
+        await self._ensure_started()
+        if self.dead_error is not None:
+            raise self.dead_error
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.engine.add_request(
+            request_id, prompt, sampling_params, output_kind=output_kind, priority=priority, cache_salt=cache_salt
+        )
+        stream = self._streams[request_id] = _Stream()
+        finished = False
+        try:
+            while not finished:
+                try:
+                    out = await stream.get()
+                except _Aborted:
+                    return
+                finished = out.finished
+                yield out
+        finally:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            if not finished and self.dead_error is None:
+                self._abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (the id of an ``n > 1`` request aborts all its samples); its KV
+        blocks are freed before the engine's next step."""
+        stream = self._streams.pop(request_id, None)
+        self._abort(request_id)
+        if stream is not None:
+            stream.fail(_Aborted())
+
+    def _abort(self, request_id: str) -> None:
+        processor = self.engine.output_processor
+        live = [i for i in processor.expand_ids([request_id]) if i in processor.states]
+        if live:  # else it has finished already
+            self.engine.abort_request(live)
+            self.metrics.request_finished("abort")
+
+    # ---- the output side ------------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        processor = self.engine.output_processor
+        try:
+            while True:
+                step = await self.core.get_output()
+                results, stopped = processor.process_outputs(step.outputs)
+                if stopped:
+                    self.core.finish_by_stop_string(stopped)
+                streams = self._streams
+                for out in results:
+                    stream = streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+                self.stats = step.stats
+                self.metrics.record_step(step.stats, step.outputs, results)
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as exc:
+            self._fail(exc)
+        except Exception as exc:
+            logger.exception("the output loop failed")
+            self._fail(EngineDeadError(f"the output loop failed: {exc}"))
+
+    def _fail(self, error: EngineDeadError) -> None:
+        logger.error("engine is dead: %s", error)
+        self.dead_error = error
+        for stream in self._streams.values():
+            stream.fail(error)
+        self._streams.clear()
+
+    async def _log_loop(self) -> None:
+        stats_logger = StatsLogger(self.metrics)
+        while True:
+            await asyncio.sleep(self.log_stats_interval)
+            stats_logger.log(self.stats)

@@ -1,0 +1,141 @@
+"""The engine core's busy loop, shared by the thread and the process that can host it.
+
+Each turn: take every command that has arrived (add, abort, stop), run one ``EngineCore.step()``
+and publish its outputs with a ``SchedulerStats`` snapshot. With no request left it blocks on
+the next command, so an idle engine costs nothing::
+
+    while True:
+        commands = inbox(block=not core.has_unfinished_requests())
+        apply(commands)           # add_request / abort_requests / finish_by_stop_string
+        publish(core.step(), stats(core))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pagelm.engine.core_output import EngineCoreOutput
+from pagelm.engine.engine_core import EngineCore
+from pagelm.request import Request
+from pagelm.sampling_params import SamplingParams
+from pagelm.worker.output import LogprobsLists
+
+# Commands, as (kind, payload) tuples.
+ADD, ABORT, STOP, SHUTDOWN = "add", "abort", "stop", "shutdown"
+
+
+@dataclass
+class SchedulerStats:
+    """The engine core's state after one step; counters are totals since start."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_kv_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+    @classmethod
+    def of(cls, core: EngineCore) -> "SchedulerStats":
+        kv = core.kv_cache_manager
+        return cls(
+            core.scheduler.num_running,
+            core.scheduler.num_waiting,
+            kv.num_free_blocks,
+            core.num_kv_blocks,
+            kv.prefix_cache_stats.queries,
+            kv.prefix_cache_stats.hits,
+            core.scheduler.num_preemptions,
+        )
+
+
+def run_core_loop(
+    core: EngineCore,
+    inbox: Callable[[bool], list[tuple[str, Any]]],
+    publish: Callable[[list[EngineCoreOutput], SchedulerStats], None],
+) -> None:
+    """Serve commands until SHUTDOWN. ``inbox(block)`` returns the commands that have arrived
+    (waiting for at least one when ``block``)."""
+    while True:
+        commands = inbox(not core.has_unfinished_requests())
+        for kind, payload in commands:
+            if kind == ADD:
+                core.add_request(payload)
+            elif kind == ABORT:
+                core.abort_requests(payload)
+            elif kind == STOP:
+                core.finish_by_stop_string(payload)
+            elif kind == SHUTDOWN:
+                return
+            else:
+                raise ValueError(f"unknown engine core command {kind!r}")
+        # Also runs after an abort left nothing to do: the runner drops the request's state
+        # and the published stats show its blocks free again.
+        publish(core.step(), SchedulerStats.of(core))
+
+
+# ---- wire format (msgpack-able plain data) ------------------------------------------------
+# Field order is the contract between the two processes; both sides use these functions.
+
+
+def encode_request(req: Request) -> list:
+    params = dataclasses.asdict(req.sampling_params)
+    del params["all_stop_token_ids"]  # derived from stop_token_ids again on the other side
+    return [
+        req.request_id, req.prompt_token_ids, params, list(req.eos_token_ids),
+        req.arrival_time, req.priority, req.cache_salt, req.max_tokens,
+    ]
+
+
+def decode_request(data: list, block_hasher) -> Request:
+    req_id, prompt_ids, params, eos, arrival, priority, salt, max_tokens = data
+    return Request(
+        req_id, prompt_ids, SamplingParams(**params), eos_token_ids=frozenset(eos),
+        arrival_time=arrival, priority=priority, cache_salt=salt, max_tokens=max_tokens,
+        block_hasher=block_hasher,
+    )
+
+
+def _encode_lp(lp: LogprobsLists | None) -> list | None:
+    return None if lp is None else [lp.token_ids, lp.logprobs, lp.ranks]
+
+
+def _decode_lp(data: list | None) -> LogprobsLists | None:
+    return None if data is None else LogprobsLists(*data)
+
+
+def encode_outputs(outputs: list[EngineCoreOutput]) -> list:
+    return [
+        [
+            o.request_id, o.new_token_ids, o.finish_reason, o.stop_reason, o.num_cached_tokens,
+            o.first_scheduled_time, _encode_lp(o.new_logprobs), _encode_lp(o.new_prompt_logprobs),
+        ]
+        for o in outputs
+    ]
+
+
+def decode_outputs(data: list) -> list[EngineCoreOutput]:
+    return [
+        EngineCoreOutput(
+            request_id=rid, new_token_ids=ids, new_logprobs=_decode_lp(lp),
+            new_prompt_logprobs=_decode_lp(plp), finish_reason=reason, stop_reason=stop,
+            num_cached_tokens=cached, first_scheduled_time=sched,
+        )
+        for rid, ids, reason, stop, cached, sched, lp, plp in data
+    ]
+
+
+def encode_stats(stats: SchedulerStats) -> list:
+    return list(dataclasses.astuple(stats))
+
+
+def decode_stats(data: list) -> SchedulerStats:
+    return SchedulerStats(*data)

@@ -1,0 +1,145 @@
+"""The engine core in its own process: ``python -m pagelm.engine.core_proc FD``.
+
+The API process passes one end of a Unix socket pair as file descriptor ``FD``. Everything on
+it is msgpack (never pickle)::
+
+    API -> core:  ["init", engine_config_dict, eos_token_ids]   once, first
+                  ["add", encoded_request] | ["abort", ids] | ["stop", ids] | ["shutdown", None]
+    core -> API:  ["ready", {max_model_len, vocab_size, num_kv_blocks, block_size}]
+                  ["out", encoded_outputs, encoded_stats]        after every step
+                  ["error", exception_type_name, message]         start-up failure or crash
+
+The process exits when the socket closes, so it never outlives the API process.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import traceback
+
+import msgpack
+
+from pagelm.config import EngineConfig
+from pagelm.engine.core_loop import (
+    ADD,
+    SHUTDOWN,
+    decode_request,
+    encode_outputs,
+    encode_stats,
+    run_core_loop,
+)
+from pagelm.kv_cache import make_block_hasher
+
+logger = logging.getLogger("pagelm")
+
+
+class MsgSocket:
+    """Blocking msgpack messages over a stream socket; ``recv(block=False)`` never waits."""
+
+    def __init__(self, sock: socket.socket, unpacker: msgpack.Unpacker | None = None) -> None:
+        self.sock = sock
+        self.unpacker = unpacker or msgpack.Unpacker()
+        self.packer = msgpack.Packer()
+
+    def send(self, msg) -> None:
+        self.sock.sendall(self.packer.pack(msg))
+
+    def recv(self, block: bool) -> list:
+        """Every whole message that has arrived; with ``block``, at least one."""
+        msgs: list = []
+        flags = 0 if block else socket.MSG_DONTWAIT
+        while True:
+            try:
+                data = self.sock.recv(1 << 16, flags)
+            except BlockingIOError:
+                return msgs
+            if not data:
+                raise EOFError("the API process closed the engine core socket")
+            self.unpacker.feed(data)
+            msgs.extend(self.unpacker)
+            if msgs:
+                flags = socket.MSG_DONTWAIT
+
+
+def serve(conn: MsgSocket) -> int:
+    from pagelm.engine.engine_core import EngineCore  # heavy: torch, the model
+
+    try:
+        kind, config_dict, eos = conn.recv(block=True)[0]
+        assert kind == "init", kind
+        config = EngineConfig(**config_dict)
+        share_cpu(config)
+        core = EngineCore(config, frozenset(eos))
+    except Exception as exc:  # a bad config or model: tell the API process why, then exit
+        conn.send(["error", type(exc).__name__, str(exc)])
+        return 1
+    conn.send([
+        "ready",
+        {
+            "max_model_len": core.max_model_len,
+            "vocab_size": core.vocab_size,
+            "num_kv_blocks": core.num_kv_blocks,
+            "block_size": config.block_size,
+        },
+    ])
+    hasher = make_block_hasher(config.block_size)
+    _freeze_heap()
+
+    def inbox(block: bool) -> list:
+        try:
+            msgs = conn.recv(block)
+        except EOFError:
+            return [(SHUTDOWN, None)]
+        return [(kind, decode_request(p, hasher) if kind == ADD else p) for kind, p in msgs]
+
+    def publish(outputs, stats) -> None:
+        conn.send(["out", encode_outputs(outputs), encode_stats(stats)])
+
+    try:
+        run_core_loop(core, inbox, publish)
+    except (BrokenPipeError, ConnectionResetError):
+        return 0  # the API process is gone
+    except Exception as exc:
+        logger.error("engine core crashed:\n%s", traceback.format_exc())
+        try:
+            conn.send(["error", type(exc).__name__, f"engine core crashed: {exc}"])
+        except OSError:
+            pass
+        return 1
+    finally:
+        core.shutdown()
+    return 0
+
+
+def _freeze_heap() -> None:
+    """Move everything allocated so far (modules, weights' Python objects) out of the garbage
+    collector's reach: otherwise each full collection walks it all, stalling the loop."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def share_cpu(config: EngineConfig) -> None:
+    """On CPU, leave one core to the API process: idle OpenMP threads spin, and a spinning
+    thread on every core starves the event loop that feeds this one."""
+    import os
+
+    import torch
+
+    if "OMP_NUM_THREADS" in os.environ or config.resolved_device().type != "cpu":
+        return
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) - 1)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [core] %(message)s")
+    sock = socket.socket(fileno=int(argv[0]))
+    return serve(MsgSocket(sock))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,2 @@
+"""The OpenAI-compatible HTTP server (``pagelm serve``): FastAPI app, pydantic schemas,
+OpenAI-format errors."""

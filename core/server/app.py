@@ -1,0 +1,140 @@
+"""The HTTP application: OpenAI-compatible routes plus health, metrics, tokenizer and version
+endpoints, around one ``AsyncLLM``."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import pagelm
+from pagelm.engine.async_llm import AsyncLLM
+from pagelm.server.errors import APIError, install_error_handlers
+from pagelm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagelm.server.serving import OpenAIServing
+
+
+def build_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    """The app serving ``engine``. It starts the engine's output loop at start-up and shuts the
+    engine down when the server stops."""
+    model_name = model_name or engine.model_name
+    serving = OpenAIServing(engine, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="pagelm", version=pagelm.__version__, lifespan=lifespan)
+    app.state.engine = engine
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
+        return await _unless_disconnected(raw, serving.completion(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        return await _unless_disconnected(raw, serving.chat(body))
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, root=engine.config.model, max_model_len=engine.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead_error is not None:
+            return APIError(f"the engine is dead: {engine.dead_error}", 503).response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagelm.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            ids = serving._chat_prompt(chat)["prompt_token_ids"]
+        else:
+            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < engine.engine.vocab_size]
+        if bad:
+            raise APIError(f"tokens {bad[:8]} are outside the vocabulary", param="tokens")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+
+    return app
+
+
+async def _unless_disconnected(raw: Request, work: Awaitable) -> Any:
+    """Run ``work`` unless the client goes away first; then cancel it, which aborts its
+    requests. (Streaming responses get the same from Starlette, which cancels the stream.)"""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return Response(status_code=499)  # nobody is listening any more
+
+
+class APIKeyMiddleware:
+    """``Authorization: Bearer <key>`` on every ``/v1`` route (plain ASGI: streams untouched)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = APIError("invalid API key", 401, code="invalid_api_key").body()
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+

@@ -1,0 +1,444 @@
+"""The work behind ``/v1/completions`` and ``/v1/chat/completions``: validate, turn the request
+into prompts + ``SamplingParams``, run them through ``AsyncLLM`` and shape the results as
+OpenAI responses or server-sent events.
+
+Everything that can be checked is checked before the first byte goes out, so bad input is a
+400 and never a broken stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from pagelm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagelm.engine.output_processor import OutputKind
+from pagelm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagelm.sampling_params import SamplingParams
+from pagelm.server.errors import APIError, param_of
+from pagelm.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    SamplingFields,
+    TopLogprob,
+    Usage,
+)
+
+MAX_LOGPROBS = 20
+_SAMPLING_NAMES = {
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+}
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.tokenizer
+
+    # ---- checks shared by both endpoints --------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
+
+    def check_engine(self) -> None:
+        if self.engine.dead_error is not None:
+            raise APIError(f"the engine is dead: {self.engine.dead_error}", 500)
+
+    def sampling_params(
+        self, req: SamplingFields, *, max_tokens: int | None, max_tokens_name: str, logprobs: int | None,
+        logprobs_name: str, prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        if req.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+        if req.stream_options is not None and not req.stream:
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        if not 0.0 <= req.temperature <= 2.0:
+            raise APIError(f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise APIError(f"{logprobs_name} must be at most {MAX_LOGPROBS}, got {logprobs}", param=logprobs_name)
+        bad_ids = [t for t in req.stop_token_ids or [] if not 0 <= t < self.engine.engine.vocab_size]
+        if bad_ids:
+            raise APIError(f"stop_token_ids {bad_ids} are outside the vocabulary", param="stop_token_ids")
+        kwargs: dict[str, Any] = dict(
+            n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as exc:
+            message, param = str(exc), param_of(str(exc), _SAMPLING_NAMES)
+            rename = {"max_tokens": max_tokens_name, "logprobs": logprobs_name}
+            if param in rename and rename[param] != param:
+                message = message.replace(param, rename[param], 1)
+                param = rename[param]
+            raise APIError(message, param=param) from None
+
+    def check_prompt(self, token_ids: list[int], max_tokens: int | None, prompt_name: str, max_tokens_name: str) -> None:
+        try:
+            self.engine.engine.validate_prompt(token_ids)
+        except ValueError as exc:
+            raise APIError(str(exc), param=prompt_name) from None
+        limit = self.engine.max_model_len
+        if max_tokens is not None and len(token_ids) + max_tokens > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(token_ids) + max_tokens} tokens ({len(token_ids)} in the prompt, {max_tokens} in "
+                f"the completion). Reduce the length of the prompt or {max_tokens_name}.",
+                param=max_tokens_name,
+            )
+
+    # ---- completions ----------------------------------------------------------------------
+    async def completion(self, req: CompletionRequest) -> CompletionResponse | StreamingResponse:
+        self.check_model(req.model)
+        self.check_engine()
+        if req.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError("best_of other than n is not supported", param="best_of")
+        echo_logprobs = req.logprobs if req.echo else None
+        params = self.sampling_params(
+            req, max_tokens=req.max_tokens, max_tokens_name="max_tokens", logprobs=req.logprobs,
+            logprobs_name="logprobs", prompt_logprobs=echo_logprobs,
+        )
+        prompts = self._completion_prompts(req.prompt)
+        for p in prompts:
+            self.check_prompt(p["prompt_token_ids"], req.max_tokens, "prompt", "max_tokens")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return _sse(self._completion_stream(request_id, prompts, params, req))
+        finals = await _gather([
+            self._final(p, params, f"{request_id}-{i}", req) for i, p in enumerate(prompts)
+        ])
+        choices, usage = [], _UsageCounter()
+        for i, (prompt, out) in enumerate(zip(prompts, finals)):
+            usage.add_prompt(out)
+            for c in out.outputs:
+                usage.completion += len(c.token_ids)
+                choices.append(self._completion_choice(i * params.n + c.index, prompt, out, c, req, first=True))
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage.usage())
+
+    def _completion_prompts(self, prompt: str | list) -> list[dict[str, Any]]:
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise APIError("prompt must not be empty", param="prompt")
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                out.append({"prompt": item, "prompt_token_ids": self.tokenizer.encode(item)})
+            else:
+                out.append({"prompt": None, "prompt_token_ids": list(item)})
+        return out
+
+    def _completion_choice(
+        self, index: int, prompt: dict, out: RequestOutput, c: CompletionOutput, req: CompletionRequest, first: bool
+    ) -> CompletionChoice:
+        text, logprobs = c.text, None
+        echo = req.echo and first
+        if echo:
+            prompt_text = prompt["prompt"]
+            if prompt_text is None:
+                prompt_text = self.tokenizer.decode(out.prompt_token_ids)
+            text = prompt_text + text
+        if req.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            offset = 0
+            if echo:
+                entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+                for token_id, entry in zip(out.prompt_token_ids, entries):
+                    offset = self._add_completion_logprob(logprobs, token_id, entry, req.logprobs, offset)
+            for token_id, entry in zip(c.token_ids, c.logprobs or []):
+                offset = self._add_completion_logprob(logprobs, token_id, entry, req.logprobs, offset)
+        return CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+        )
+
+    def _add_completion_logprob(
+        self, acc: CompletionLogprobs, token_id: int, entry: dict[int, Logprob] | None, k: int, offset: int
+    ) -> int:
+        token = entry[token_id].decoded_token if entry and token_id in entry else self.tokenizer.decode([token_id])
+        token = token or ""
+        acc.tokens.append(token)
+        acc.text_offset.append(offset)
+        if entry is None or token_id not in entry:
+            acc.token_logprobs.append(None)
+            acc.top_logprobs.append(None)
+        else:
+            acc.token_logprobs.append(_finite(entry[token_id].logprob))
+            top: dict[str, float] = {}
+            for lp in _top(entry, token_id, k):  # most likely first: it keeps a shared text key
+                top.setdefault(lp.decoded_token or "", _finite(lp.logprob))
+            acc.top_logprobs.append(top)
+        return offset + len(token)
+
+    async def _completion_stream(
+        self, request_id: str, prompts: list[dict], params: SamplingParams, req: CompletionRequest
+    ) -> AsyncIterator[str]:
+        created, started = int(time.time()), set()
+        usage = _UsageCounter()
+        generators = [
+            self.engine.generate(p, params, f"{request_id}-{i}", priority=req.priority, cache_salt=req.cache_salt)
+            for i, p in enumerate(prompts)
+        ]
+        try:
+            async for i, out in _merge(generators):
+                for c in out.outputs:
+                    index = i * params.n + c.index
+                    usage.completion += len(c.token_ids)
+                    choice = self._completion_choice(index, prompts[i], out, c, req, first=index not in started)
+                    started.add(index)
+                    chunk = CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[choice])
+                    yield _event(chunk)
+                if out.finished:
+                    usage.add_prompt(out)
+            if req.stream_options and req.stream_options.include_usage:
+                yield _event(CompletionResponse(
+                    id=request_id, created=created, model=self.model_name, choices=[], usage=usage.usage()
+                ))
+        except Exception as exc:  # mid-stream: the status line is gone, say it in the stream
+            yield _error_event(exc)
+        yield "data: [DONE]\n\n"
+
+    # ---- chat completions -----------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | StreamingResponse:
+        self.check_model(req.model)
+        self.check_engine()
+        if req.tools:
+            raise APIError("tools are not supported", param="tools")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(f"response_format {req.response_format.type!r} is not supported", param="response_format")
+        max_tokens, max_name = req.max_tokens, "max_tokens"
+        if req.max_completion_tokens is not None:
+            max_tokens, max_name = req.max_completion_tokens, "max_completion_tokens"
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(
+            req, max_tokens=max_tokens, max_tokens_name=max_name, logprobs=logprobs, logprobs_name="top_logprobs"
+        )
+        prompt = self._chat_prompt(req)
+        self.check_prompt(prompt["prompt_token_ids"], max_tokens, "messages", max_name)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return _sse(self._chat_stream(request_id, prompt, params, req))
+        out = (await _gather([self._final(prompt, params, request_id, req)]))[0]
+        usage = _UsageCounter()
+        usage.add_prompt(out)
+        choices = []
+        for c in out.outputs:
+            usage.completion += len(c.token_ids)
+            choices.append(ChatChoice(
+                index=c.index, message=ChatResponseMessage(content=c.text),
+                logprobs=self._chat_logprobs(c, logprobs), finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            ))
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage.usage())
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):
+                if any(part.get("type") != "text" for part in content):
+                    raise APIError("only text content parts are supported", param=f"messages.{i}.content")
+                content = "".join(str(part.get("text", "")) for part in content)
+            messages.append({"role": m.role, "content": content or ""})
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                chat_template=req.chat_template,
+            )
+        except Exception as exc:
+            raise APIError(f"cannot apply the chat template: {exc}", param="messages") from None
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+    def _chat_logprobs(self, c: CompletionOutput, k: int | None) -> ChatLogprobs | None:
+        if k is None:
+            return None
+        content = []
+        for token_id, entry in zip(c.token_ids, c.logprobs or []):
+            chosen = entry.get(token_id)
+            token = (chosen.decoded_token if chosen else None) or self.tokenizer.decode([token_id])
+            content.append(ChatTokenLogprob(
+                token=token, logprob=_finite(chosen.logprob if chosen else -math.inf),
+                bytes=list(token.encode()),
+                top_logprobs=[
+                    TopLogprob(token=lp.decoded_token or "", logprob=_finite(lp.logprob),
+                               bytes=list((lp.decoded_token or "").encode()))
+                    for lp in _top(entry, token_id, k)
+                ] if k else [],
+            ))
+        return ChatLogprobs(content=content)
+
+    async def _chat_stream(
+        self, request_id: str, prompt: dict, params: SamplingParams, req: ChatCompletionRequest
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        usage = _UsageCounter()
+
+        def chunk(choices: list[ChatStreamChoice], usage_: Usage | None = None) -> str:
+            return _event(ChatCompletionChunk(
+                id=request_id, created=created, model=self.model_name, choices=choices, usage=usage_
+            ))
+
+        logprobs = params.logprobs
+        try:
+            for index in range(params.n):
+                yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+            async with aclosing(self.engine.generate(
+                prompt, params, request_id, priority=req.priority, cache_salt=req.cache_salt
+            )) as outputs:
+                async for out in outputs:
+                    for c in out.outputs:
+                        usage.completion += len(c.token_ids)
+                        yield chunk([ChatStreamChoice(
+                            index=c.index, delta=DeltaMessage(content=c.text),
+                            logprobs=self._chat_logprobs(c, logprobs), finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )])
+                    if out.finished:
+                        usage.add_prompt(out)
+            if req.stream_options and req.stream_options.include_usage:
+                yield chunk([], usage.usage())
+        except Exception as exc:
+            yield _error_event(exc)
+        yield "data: [DONE]\n\n"
+
+    # ---- running requests -----------------------------------------------------------------
+    async def _final(self, prompt: dict, params: SamplingParams, request_id: str, req: SamplingFields) -> RequestOutput:
+        final = None
+        async for out in self.engine.generate(
+            prompt, params, request_id, priority=req.priority, cache_salt=req.cache_salt,
+            output_kind=OutputKind.FINAL_ONLY,
+        ):
+            final = out
+        if final is None:
+            raise APIError("the request was aborted", 500)
+        return final
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+class _UsageCounter:
+    def __init__(self) -> None:
+        self.prompt = self.completion = self.cached = 0
+
+    def add_prompt(self, out: RequestOutput) -> None:
+        self.prompt += len(out.prompt_token_ids)
+        self.cached += out.num_cached_tokens
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt, completion_tokens=self.completion, total_tokens=self.prompt + self.completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached),
+        )
+
+
+def _finite(x: float) -> float:
+    # JSON has no -inf; OpenAI-compatible servers report -9999.0 instead.
+    return max(x, -9999.0)
+
+
+def _top(entry: dict[int, Logprob], chosen: int, k: int) -> list[Logprob]:
+    """The k most likely tokens of one position (with k = 0: the chosen one)."""
+    if k == 0:
+        return [entry[chosen]] if chosen in entry else []
+    return sorted(entry.values(), key=lambda lp: -lp.logprob)[:k]
+
+
+def _event(model) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def _error_event(exc: Exception) -> str:
+    if isinstance(exc, APIError):
+        err = exc
+    elif isinstance(exc, ValueError):
+        err = APIError(str(exc), 400)
+    elif isinstance(exc, EngineDeadError):
+        err = APIError(f"the engine is dead: {exc}", 500)
+    else:
+        err = APIError(f"internal error: {exc}", 500)
+    return f"data: {json.dumps(err.body())}\n\n"
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _gather(coros: list) -> list:
+    """``asyncio.gather`` that cancels the rest (aborting their requests) when one fails or
+    when the caller is cancelled (client gone)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+_DONE = object()
+
+
+async def _merge(generators: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """Items of several async generators as they come, tagged with the generator's index."""
+    if len(generators) == 1:
+        async with aclosing(generators[0]) as gen:
+            async for item in gen:
+                yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def drain(i: int, gen: AsyncIterator) -> None:
+        try:
+            async with aclosing(gen):
+                async for item in gen:
+                    queue.put_nowait((i, item))
+            queue.put_nowait((i, _DONE))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(drain(i, g)) for i, g in enumerate(generators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()

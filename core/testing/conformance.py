@@ -1,0 +1,365 @@
+"""Conformance checks for plugin authors: plain functions that raise ``AssertionError``
+with a message saying what broke. Call them from your own tests::
+
+    from pagelm.testing.conformance import check_scheduling_policy
+    def test_my_policy_conforms(tmp_path):
+        check_scheduling_policy("my_policy", model_dir=build_tiny_model(tmp_path, "llama"))
+
+Scheduling policies (``check_scheduling_policy``):
+
+* the class is a registered ``SchedulingPolicy`` and ``validate`` returns a list of strings;
+* queue semantics: ``add``/``peek``/``pop``/``remove``/``prepend``/``__iter__``/``__len__``
+  agree with each other, and victims are running requests;
+* driven through the real scheduler and KV cache manager with a fake model, under a roomy
+  pool, a tight pool (constant preemption) and ``max_num_seqs=2`` with late arrivals: every
+  admitted request finishes, each step respects the budgets, every block is free at the end,
+  and preempted requests finish with the tokens of the un-preempted run;
+* with ``model_dir``: the same through ``LLM`` on a real (tiny) model, greedy tokens equal
+  to FCFS on a pool that never preempts.
+
+Attention backends (``check_attention_backend``): the static description, the paged
+kernels against the ``torch`` reference on mixed prefill/decode batches with shuffled
+blocks, and (with ``model_dir``) greedy generation equal to the reference backend's.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagelm.attention import AttentionBackend, AttentionSpec, CommonAttentionMetadata
+from pagelm.config import EngineConfig
+from pagelm.kv_cache import KVCacheManager, make_block_hasher
+from pagelm.plugin_manager import get_plugin_manager
+from pagelm.request import Request, RequestStatus
+from pagelm.sampling_params import SamplingParams
+from pagelm.sched.policy import SchedulingPolicy
+from pagelm.sched.scheduler import Scheduler
+from pagelm.worker.output import ModelRunnerOutput
+
+__all__ = [
+    "check_attention_backend",
+    "check_attention_engine",
+    "check_attention_kernels",
+    "check_policy_engine",
+    "check_policy_queue",
+    "check_policy_scheduling",
+    "check_scheduling_policy",
+]
+
+_BLOCK_SIZE = 4
+
+
+# =============================================================================================
+# scheduling policies
+# =============================================================================================
+
+
+def check_scheduling_policy(
+    name: str, model_dir: str | Path | None = None, plugin_config: dict[str, Any] | None = None
+) -> None:
+    """Every policy check; the engine check only when ``model_dir`` is given."""
+    check_policy_queue(name, plugin_config)
+    check_policy_scheduling(name, plugin_config)
+    if model_dir is not None:
+        check_policy_engine(name, model_dir, plugin_config)
+
+
+def _policy_class(name: str) -> type[SchedulingPolicy]:
+    cls = get_plugin_manager().scheduling_policies().get(name)
+    assert isinstance(cls, type) and issubclass(cls, SchedulingPolicy), f"{name!r} is not a SchedulingPolicy"
+    return cls
+
+
+def _config(name: str, plugin_config: dict[str, Any] | None, **kw: Any) -> EngineConfig:
+    return EngineConfig(
+        model="(conformance)", scheduling_policy=name, block_size=_BLOCK_SIZE, plugin_config=plugin_config or {}, **kw
+    )
+
+
+def _request(req_id: str, prompt_len: int, max_tokens: int, priority: int = 0, arrival: float = 0.0) -> Request:
+    base = 1000 * (int(req_id) + 1)
+    return Request(
+        req_id,
+        list(range(base, base + prompt_len)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        arrival_time=arrival,
+        priority=priority,
+        block_hasher=make_block_hasher(_BLOCK_SIZE),
+    )
+
+
+def check_policy_queue(name: str, plugin_config: dict[str, Any] | None = None) -> None:
+    """The queue methods agree with each other."""
+    cls = _policy_class(name)
+    config = _config(name, plugin_config)
+    problems = cls.validate(config)
+    assert isinstance(problems, list) and all(isinstance(p, str) for p in problems), (
+        f"{name}.validate() must return a list of strings, got {problems!r}"
+    )
+    assert not problems, f"{name}.validate() rejects a default config: {problems}"
+    policy = cls(config)
+    reqs = [_request(str(i), 3 + 5 * (i % 3), 2 + 7 * (i % 4), priority=i % 3, arrival=float(i)) for i in range(8)]
+    for r in reqs:
+        policy.add(r)
+    assert len(policy) == len(reqs), f"{name}: len() is {len(policy)} after {len(reqs)} add()s"
+    order = list(policy)
+    assert sorted(r.request_id for r in order) == sorted(r.request_id for r in reqs), (
+        f"{name}: iteration must yield every waiting request exactly once, got {[r.request_id for r in order]}"
+    )
+    assert policy.peek() is order[0], f"{name}: peek() must be the first request of the iteration order"
+    first = policy.pop()
+    assert first is order[0] and len(policy) == len(reqs) - 1, f"{name}: pop() must remove and return peek()"
+    policy.remove(order[-1])
+    assert order[-1] not in list(policy) and len(policy) == len(reqs) - 2, f"{name}: remove() did not remove"
+    first.status = RequestStatus.PREEMPTED
+    policy.prepend(first)
+    assert first in list(policy) and len(policy) == len(reqs) - 1, f"{name}: prepend() must re-queue the request"
+    running = reqs[:4]
+    for r in running:
+        r.status = RequestStatus.RUNNING
+    victim = policy.select_victim(running)
+    assert victim in running, f"{name}: select_victim() returned {victim!r}, not a running request"
+    victim = policy.select_victim_for(policy.peek(), running)
+    assert victim is None or victim in running, f"{name}: select_victim_for() returned a request that is not running"
+
+
+def _fake_token(req: Request) -> int:
+    """A deterministic 'model': the next token depends only on the tokens so far, so a
+    recomputed (preempted) request must come out exactly as an un-preempted one."""
+    tail = req.all_token_ids[-4:]
+    return 10 + (31 * sum(tail) + 7 * req.num_tokens) % 89
+
+
+def _workload() -> list[tuple[int, Request]]:
+    """(step at which it arrives, request): a burst, then late arrivals of mixed priority."""
+    out = []
+    for i in range(12):
+        prompt_len = [3, 17, 9, 30, 5, 12][i % 6]
+        max_tokens = [12, 3, 20, 6, 9, 15][(i * 5) % 6]
+        step = 0 if i < 7 else 4 * (i - 6)
+        out.append((step, _request(str(i), prompt_len, max_tokens, priority=[2, 1, 0][i % 3], arrival=float(step + i / 100))))
+    return out
+
+
+def _run_scheduler(name: str, plugin_config: dict[str, Any] | None, num_blocks: int, max_steps: int = 3000, **kw: Any):
+    config = _config(name, plugin_config, **kw)
+    kv = KVCacheManager(num_blocks, _BLOCK_SIZE, config.enable_prefix_caching)
+    sched = Scheduler(config, kv, _policy_class(name)(config), max_model_len=64)
+    pending = _workload()
+    requests = {r.request_id: r for _, r in pending}
+    for step in range(max_steps):
+        while pending and pending[0][0] <= step:
+            sched.add_request(pending.pop(0)[1])
+        if not pending and not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens, f"{name}: token budget exceeded"
+        assert sched.num_running <= config.max_num_seqs, f"{name}: more than max_num_seqs requests running"
+        for req_id in out.num_scheduled_tokens:
+            assert requests[req_id].status == RequestStatus.RUNNING, f"{name}: scheduled {req_id} is not running"
+        ids = list(out.num_scheduled_tokens)
+        sched.update_from_output(out, ModelRunnerOutput(ids, [[_fake_token(requests[i])] for i in ids]))
+    else:
+        stuck = {r.request_id: r.status.name for r in requests.values() if not r.is_finished}
+        raise AssertionError(f"{name}: requests did not finish within {max_steps} steps: {stuck}")
+    assert kv.num_free_blocks == kv.num_blocks, (
+        f"{name}: {kv.num_blocks - kv.num_free_blocks} KV blocks still held after every request finished"
+    )
+    assert len(sched.waiting) == 0, f"{name}: the queue still holds {len(sched.waiting)} requests"
+    for r in requests.values():
+        assert r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens, (
+            f"{name}: request {r.request_id} ended as {r.status.name} with {r.num_output_tokens}/{r.max_tokens} tokens"
+        )
+    return {i: list(r.output_token_ids) for i, r in requests.items()}, sched
+
+
+def check_policy_scheduling(name: str, plugin_config: dict[str, Any] | None = None) -> None:
+    """Through the real scheduler: everyone finishes, budgets hold, blocks come back, and
+    preemption changes no output."""
+    roomy, _ = _run_scheduler(name, plugin_config, num_blocks=256, max_num_batched_tokens=64)
+    # 16 blocks of 4 = 64 slots = one max_model_len request: constant preemption.
+    tight, sched = _run_scheduler(
+        name, plugin_config, num_blocks=16, max_num_batched_tokens=24, long_prefill_token_threshold=8,
+        max_num_partial_prefills=2,
+    )
+    assert sched.num_preemptions > 0, f"{name}: the tight pool never preempted; the check did not exercise preemption"
+    few, _ = _run_scheduler(name, plugin_config, num_blocks=256, max_num_seqs=2)
+    for label, outs in (("a tight KV pool (preemption)", tight), ("max_num_seqs=2", few)):
+        diff = [i for i in roomy if outs[i] != roomy[i]]
+        assert not diff, f"{name}: with {label} requests {diff} produced different tokens than the roomy run"
+
+
+_ENGINE_BASELINES: dict[tuple[str, str], list[list[int]]] = {}
+
+
+def _engine_prompts() -> tuple[list[dict], list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    lengths = [5, 23, 11, 30, 8, 17, 3, 26]
+    prompts = [{"prompt_token_ids": torch.randint(10, 200, (n,), generator=gen).tolist()} for n in lengths]
+    return prompts, [i % 3 for i in range(len(lengths))]
+
+
+def _engine_tokens(model_dir: str, **kw: Any) -> tuple[list[list[int]], Any]:
+    from pagelm import LLM
+
+    prompts, priorities = _engine_prompts()
+    llm = LLM(model_dir, dtype="float32", block_size=8, max_model_len=64, seed=0, **kw)
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False, priority=priorities)
+    core = llm.engine.core
+    assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks, "KV blocks leaked"
+    return [o.outputs[0].token_ids for o in outs], core
+
+
+def check_policy_engine(name: str, model_dir: str | Path, plugin_config: dict[str, Any] | None = None) -> None:
+    """Through ``LLM``: on a pool of 10 blocks the policy preempts, yet the greedy tokens equal
+    an FCFS run that never preempts."""
+    model_dir = str(model_dir)
+    key = (model_dir, "fcfs")
+    if key not in _ENGINE_BASELINES:
+        _ENGINE_BASELINES[key], _ = _engine_tokens(model_dir, scheduling_policy="fcfs", num_kv_blocks=128)
+    tokens, core = _engine_tokens(
+        model_dir, scheduling_policy=name, num_kv_blocks=10, plugin_config=plugin_config or {}
+    )
+    assert core.scheduler.num_preemptions > 0, f"{name}: a 10-block pool should have forced preemption"
+    diff = [i for i, (a, b) in enumerate(zip(tokens, _ENGINE_BASELINES[key])) if a != b]
+    assert not diff, f"{name}: prompts {diff} gave different greedy tokens than the un-preempted FCFS run"
+
+
+# =============================================================================================
+# attention backends
+# =============================================================================================
+
+
+def check_attention_backend(
+    name: str,
+    model_dir: str | Path | None = None,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    reference: str = "torch",
+) -> None:
+    """Every attention-backend check; the engine check only when ``model_dir`` is given."""
+    check_attention_kernels(name, device=device, dtype=dtype, reference=reference)
+    if model_dir is not None:
+        check_attention_engine(name, model_dir, device=device, reference=reference)
+
+
+def _backend_class(name: str) -> type[AttentionBackend]:
+    cls = get_plugin_manager().attention_backends().get(name)
+    assert isinstance(cls, type) and issubclass(cls, AttentionBackend), f"{name!r} is not an AttentionBackend"
+    assert cls.name == name, f"backend registered as {name!r} but its name attribute is {cls.name!r}"
+    return cls
+
+
+# (block_size, [(num_cached, num_new) per request]): prefills, decodes over cached context, a
+# chunk over a cached prefix mixed with a decode, and lengths on block boundaries.
+_ATTENTION_CASES = [
+    (4, [(0, 1), (0, 7), (0, 33)]),
+    (4, [(16, 1), (31, 1), (5, 1)]),
+    (8, [(20, 9), (0, 12), (40, 1)]),
+    (16, [(15, 1), (16, 1), (0, 16), (0, 17), (33, 3)]),
+]
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}.get(dtype, 1e-3)
+
+
+def check_attention_kernels(
+    name: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32, reference: str = "torch"
+) -> None:
+    """The backend's paged attention equals the reference's on the same batches."""
+    cls, ref_cls = _backend_class(name), _backend_class(reference)
+    dev = torch.device(device)
+    head_dim = cls.supported_head_sizes[0] if cls.supported_head_sizes else 32
+    spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=head_dim, scale=1 / math.sqrt(head_dim))
+    problems = cls.validate(_config_for_backend(name), spec, dtype, dev)
+    assert isinstance(problems, list), f"{name}.validate() must return a list of strings"
+    assert not problems, f"{name} rejects {dtype} on {device}: {problems}"
+    for block_size, seqs in _ATTENTION_CASES:
+        got = _paged_attention(cls, spec, seqs, block_size, dev, dtype)
+        want = _paged_attention(ref_cls, spec, seqs, block_size, dev, dtype)
+        tol = _tolerance(dtype)
+        if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
+            err = (got.float() - want.float()).abs().max().item()
+            raise AssertionError(
+                f"{name}: attention differs from {reference!r} by {err:.2e} (tolerance {tol}) on "
+                f"requests (cached, new)={seqs}, block_size={block_size}, dtype={dtype}"
+            )
+
+
+def _config_for_backend(name: str) -> EngineConfig:
+    return EngineConfig(model="(conformance)", attention_backend=name)
+
+
+def _paged_attention(backend, spec: AttentionSpec, seqs, block_size: int, device, dtype) -> torch.Tensor:
+    """Write the cached tokens' K/V in a first step, then run the new tokens; blocks are
+    handed out in shuffled order so block tables really are indirect."""
+    gen = torch.Generator().manual_seed(1234)
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[perm.pop() for _ in range(-(-(c + n) // block_size))] for c, n in seqs]
+    width = max(len(t) for t in tables)
+    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    qkv = [
+        tuple(
+            torch.randn(c + n, heads, spec.head_dim, generator=gen)
+            for heads in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads)
+        )
+        for c, n in seqs
+    ]
+    impl = backend.make_impl(spec)
+    builder = backend.make_metadata_builder(device)
+    cache = torch.zeros(
+        backend.get_kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim), dtype=dtype, device=device
+    )
+
+    def step(ranges: list[tuple[int, int, int]]) -> torch.Tensor:
+        """One forward over (request index, first position, end position) ranges."""
+        parts: list[list[torch.Tensor]] = [[], [], []]
+        slots, qsl, lens = [], [0], []
+        for i, lo, hi in ranges:
+            for part, t in zip(parts, qkv[i]):
+                part.append(t[lo:hi])
+            pos = torch.arange(lo, hi)
+            slots.append(block_table[i, pos // block_size].long() * block_size + pos % block_size)
+            qsl.append(qsl[-1] + hi - lo)
+            lens.append(hi)
+        qsl_cpu, lens_cpu = torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+        rows = block_table[[i for i, _, _ in ranges]]
+        common = CommonAttentionMetadata(
+            num_reqs=len(ranges), num_actual_tokens=qsl[-1], max_query_len=max(h - l for _, l, h in ranges),
+            max_seq_len=max(lens), query_start_loc=qsl_cpu.to(device), seq_lens=lens_cpu.to(device),
+            block_table=rows.to(device), slot_mapping=torch.cat(slots).to(device),
+            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=lens_cpu, block_size=block_size,
+        )
+        q, k, v = (torch.cat(p).flatten(1).to(device=device, dtype=dtype) for p in parts)
+        return impl.forward(q, k, v, cache, builder.build(common))
+
+    cached = [(i, 0, c) for i, (c, _) in enumerate(seqs) if c]
+    if cached:
+        step(cached)
+    return step([(i, c, c + n) for i, (c, n) in enumerate(seqs)]).cpu()
+
+
+def check_attention_engine(
+    name: str, model_dir: str | Path, *, device: str = "cpu", reference: str = "torch"
+) -> None:
+    """Greedy generation with the backend (prefix caching, chunked prefill, a batch of
+    different lengths) gives the reference backend's tokens."""
+    from pagelm import LLM
+
+    prompts, _ = _engine_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    # Half the prompts repeat an earlier one, so prefix-cache hits go through the backend.
+    prompts = prompts + prompts[:4]
+    kw = dict(dtype="float32", device=device, block_size=8, max_num_batched_tokens=24, seed=0)
+    want = [o.outputs[0].token_ids for o in LLM(str(model_dir), attention_backend=reference, **kw).generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in LLM(str(model_dir), attention_backend=name, **kw).generate(prompts, params, use_tqdm=False)]
+    diff = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+    assert not diff, f"{name}: prompts {diff} gave different greedy tokens than the {reference!r} backend"

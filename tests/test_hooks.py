@@ -1,0 +1,183 @@
+"""Every hook in pagelm.hookspecs is documented in docs/plugins.md and has a test here named
+``test_hook_<hook name>`` (datasette's pattern: adding a hook without docs or a test fails)."""
+
+import ast
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pagelm import LLM, SamplingParams, hookimpl, hookspecs
+from pagelm.backends.torch import TorchAttentionBackend
+from pagelm.models import LlamaForCausalLM
+from pagelm.plugin_manager import get_plugin_manager
+from pagelm.plugins.policies.fcfs import FCFSPolicy
+
+ROOT = Path(__file__).resolve().parents[1]
+HOOKS = sorted(name for name in vars(hookspecs) if name.startswith("pagelm_"))
+PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+
+def test_plugin_hooks_are_documented():
+    documented = re.findall(r"^### `(pagelm_\w+)\(", (ROOT / "docs" / "plugins.md").read_text(), re.M)
+    assert sorted(documented) == HOOKS, "docs/plugins.md needs one '### `hook(args)`' heading per hookspec"
+
+
+def test_plugin_hooks_have_tests():
+    tested = set()
+    for path in (ROOT / "tests").glob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_hook_"):
+                tested.add(node.name.removeprefix("test_hook_"))
+    missing = [h for h in HOOKS if h not in tested]
+    assert not missing, f"hooks without a test_hook_<name> test: {missing}"
+
+
+@pytest.fixture
+def plugin():
+    """register(obj) registers an in-process plugin for the test, removed afterwards."""
+    names = []
+
+    def register(obj):
+        name = f"test-hooks-{len(names)}"
+        get_plugin_manager().register(obj, name=name)
+        names.append(name)
+        return obj
+
+    yield register
+    for name in names:
+        get_plugin_manager().unregister(name)
+
+
+def generate(model_dir, prompts=1, **kw):
+    llm = LLM(str(model_dir), dtype="float32", **kw)
+    return llm, llm.generate([{"prompt_token_ids": [5 + i, 6, 7]} for i in range(prompts)], PARAMS, use_tqdm=False)
+
+
+# ---- registration hooks ---------------------------------------------------------------------
+
+
+class CountingBackend(TorchAttentionBackend):
+    name = "counting_torch"
+    impls = 0
+
+    @classmethod
+    def make_impl(cls, spec):
+        cls.impls += 1
+        return super().make_impl(spec)
+
+
+def test_hook_pagelm_register_attention_backends(llama_dir, plugin):
+    class P:
+        @hookimpl
+        def pagelm_register_attention_backends(self, registry):
+            registry.add(CountingBackend.name, CountingBackend)
+
+    plugin(P())
+    _, outs = generate(llama_dir, attention_backend="counting_torch")
+    _, want = generate(llama_dir)
+    assert CountingBackend.impls > 0  # one per attention layer
+    assert outs[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+class NewestFirst(FCFSPolicy):
+    name = "newest_first"
+
+    def add(self, request):
+        self._queue.appendleft(request)
+
+
+def test_hook_pagelm_register_scheduling_policies(llama_dir, plugin):
+    class P:
+        @hookimpl
+        def pagelm_register_scheduling_policies(self, registry):
+            registry.add(NewestFirst.name, NewestFirst)
+
+    plugin(P())
+    llm, outs = generate(llama_dir, prompts=3, max_num_seqs=1, scheduling_policy="newest_first")
+    assert type(llm.engine.core.scheduler.waiting) is NewestFirst
+    firsts = [o.metrics.first_token_time for o in outs]
+    assert firsts[2] < firsts[1] < firsts[0]
+
+
+class RenamedLlama(LlamaForCausalLM):
+    built = 0
+
+    def __init__(self, *args, **kwargs):
+        type(self).built += 1
+        super().__init__(*args, **kwargs)
+
+
+def test_hook_pagelm_register_models(llama_dir, plugin, tmp_path):
+    model_dir = Path(shutil.copytree(llama_dir, tmp_path / "renamed"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["PagelmRenamedLlama"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+    class P:
+        @hookimpl
+        def pagelm_register_models(self, registry):
+            registry.add("PagelmRenamedLlama", RenamedLlama)
+
+    plugin(P())
+    _, outs = generate(model_dir)
+    _, want = generate(llama_dir)
+    assert RenamedLlama.built == 1
+    assert outs[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+# ---- lifecycle hooks ------------------------------------------------------------------------
+
+
+def test_hook_pagelm_configure(llama_dir, plugin):
+    class P:
+        @hookimpl
+        def pagelm_configure(self, config):
+            config.max_num_seqs = (config.plugin_config.get("test") or {}).get("max_num_seqs", config.max_num_seqs)
+
+    plugin(P())
+    llm, _ = generate(llama_dir, plugin_config={"test": {"max_num_seqs": 3}})
+    assert llm.engine.core.scheduler.config.max_num_seqs == 3
+
+
+class Recorder:
+    def __init__(self):
+        self.events = []
+
+    @hookimpl
+    def pagelm_engine_started(self, engine):
+        self.events.append(("started", engine.num_kv_blocks))
+
+    @hookimpl
+    def pagelm_request_finished(self, request, reason):
+        self.events.append(("finished", request.request_id, reason))
+
+    @hookimpl
+    def pagelm_engine_shutdown(self, engine):
+        self.events.append(("shutdown", engine.num_kv_blocks))
+
+
+def test_hook_pagelm_engine_started(llama_dir, plugin):
+    rec = plugin(Recorder())
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=40)
+    assert rec.events == [("started", 40)]
+    assert llm.engine.core.num_kv_blocks == 40
+
+
+def test_hook_pagelm_request_finished(llama_dir, plugin):
+    rec = plugin(Recorder())
+    llm = LLM(str(llama_dir), dtype="float32")
+    llm.generate([{"prompt_token_ids": [5, 6]}] * 2, PARAMS, use_tqdm=False)
+    llm.engine.add_request("aborted", {"prompt_token_ids": [5, 6]}, PARAMS)
+    llm.engine.abort_request(["aborted"])
+    finished = [e[1:] for e in rec.events if e[0] == "finished"]
+    assert sorted(finished) == [("0", "length"), ("1", "length"), ("aborted", "abort")]
+
+
+def test_hook_pagelm_engine_shutdown(llama_dir, plugin):
+    rec = plugin(Recorder())
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=40)
+    llm.engine.shutdown()
+    assert rec.events == [("started", 40), ("shutdown", 40)]

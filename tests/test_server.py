@@ -1,0 +1,377 @@
+"""The OpenAI-compatible server, tested as users meet it: a real `pagelm serve` on 127.0.0.1
+and the official `openai` client."""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+API_KEY = "test-key"
+MODEL = "tiny-llama"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pagelm_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-c", "import sys; from pagelm.cli import main; sys.exit(main())", *args]
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    port = free_port()
+    proc = subprocess.Popen(
+        pagelm_cmd(
+            "serve", str(llama_dir), "--port", str(port), "--api-key", API_KEY, "--served-model-name", MODEL,
+            "--num-kv-blocks", "512", "--max-model-len", "512", "--log-stats-interval", "1", "--no-access-log",
+        ),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, "server did not come up"
+        time.sleep(0.2)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+def metrics(server) -> dict[str, float]:
+    """Samples by name (+ labels other than model_name)."""
+    text = httpx.get(f"{server}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "le"))
+            if "le" in s.labels:
+                continue
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# ---- the basics -------------------------------------------------------------------------------
+
+
+def test_models_lists_the_served_name(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion(client):
+    r = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=7, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.model == MODEL
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text
+    assert r.usage.completion_tokens == 7 and r.usage.total_tokens == r.usage.prompt_tokens + 7
+
+
+def test_chat_completion(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_completion_tokens=5, temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.usage.completion_tokens == 5
+
+
+def test_streamed_text_equals_non_streamed_for_the_same_seed(client):
+    kw = dict(model=MODEL, prompt="import json\n", max_tokens=24, temperature=1.0, seed=1234,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_stream_equals_non_streamed_and_reports_usage(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "tell me"}], max_tokens=16, temperature=0.8,
+              seed=5, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_n_two_gives_two_choices(client):
+    r = client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=6, temperature=1.0, seed=3,
+                                  extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 12
+    chunks = list(client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=6, temperature=1.0, seed=3,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    streamed = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == {c.index: c.text for c in r.choices}
+
+
+def test_stop_string_cuts_streamed_and_full_text_alike(client):
+    base = client.completions.create(model=MODEL, prompt="x = ", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[4:7]
+    assert stop.strip()
+    kw = dict(model=MODEL, prompt="x = ", max_tokens=16, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert r.choices[0].text == base[: base.find(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+    assert streamed == r.choices[0].text
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="def", max_tokens=5, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(x <= 0 for x in lp.token_logprobs)
+    assert all(len(t) <= 3 for t in lp.top_logprobs)
+    # Greedy: the chosen token is the most likely one.
+    assert all(abs(max(t.values()) - x) < 1e-4 for t, x in zip(lp.top_logprobs, lp.token_logprobs))
+    assert "".join(lp.tokens) == r.choices[0].text
+
+
+def test_echo_returns_prompt_and_its_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=3, temperature=0, echo=True,
+                                  logprobs=1, extra_body={"ignore_eos": True})
+    c = r.choices[0]
+    assert c.text.startswith("def add(a, b):")
+    assert len(c.logprobs.tokens) == r.usage.prompt_tokens + 3
+    assert c.logprobs.token_logprobs[0] is None
+    assert all(x is not None for x in c.logprobs.token_logprobs[1:])
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=2, extra_body={"ignore_eos": True},
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+
+
+def test_usage_reports_cached_prompt_tokens(client):
+    prompt = "the same long prefix " * 8  # several full KV blocks
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_priority_and_cache_salt_are_accepted(client):
+    prompt = "salted prefix words " * 8
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "a"})
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                  extra_body={"cache_salt": "b", "priority": 1})
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # another salt: no sharing
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=0), "n"),
+        (dict(logprobs=50), "logprobs"),
+        (dict(extra_body={"top_k": -3}), "top_k"),
+        (dict(extra_body={"min_p": 2}), "min_p"),
+        (dict(presence_penalty=3), "presence_penalty"),
+        (dict(max_tokens=600), "max_tokens"),
+        (dict(prompt="word " * 600), "prompt"),
+        (dict(temperature="hot"), "temperature"),
+    ],
+)
+def test_invalid_parameters_are_400_naming_the_parameter(client, server, kwargs, param):
+    body = {"model": MODEL, "prompt": "hi", **kwargs.pop("extra_body", {}), **kwargs}
+    r = httpx.post(f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_openai_client_sees_bad_request_error_and_server_keeps_serving(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_p=7)
+    assert e.value.status_code == 400 and e.value.param == "top_p"
+    ok = client.completions.create(model=MODEL, prompt="still here", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+
+
+def test_missing_api_key_is_401(server):
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server}/health").status_code == 200  # health needs no key
+
+
+# ---- other endpoints --------------------------------------------------------------------------
+
+
+def test_tokenize_detokenize_and_version(server, llama_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    r = httpx.post(f"{server}/tokenize", json={"prompt": "def f(x):"}).json()
+    assert r["tokens"] == tok.encode("def f(x):") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 512
+    assert httpx.post(f"{server}/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "def f(x):"
+    chat = httpx.post(f"{server}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+    import pagelm
+
+    assert httpx.get(f"{server}/version").json() == {"version": pagelm.__version__}
+
+
+def test_metrics_counters_move(client, server):
+    before = metrics(server)
+    client.completions.create(model=MODEL, prompt="count me " * 5, max_tokens=4, extra_body={"ignore_eos": True})
+    after = metrics(server)
+    assert after["pagelm:generation_tokens_total"] - before["pagelm:generation_tokens_total"] == 4
+    assert after["pagelm:prompt_tokens_total"] > before["pagelm:prompt_tokens_total"]
+    assert after["pagelm:prefix_cache_queries_total"] > before["pagelm:prefix_cache_queries_total"]
+    length = "pagelm:request_success_total{finished_reason=length}"
+    assert after[length] == before.get(length, 0) + 1
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+              "inter_token_latency_seconds"):
+        assert after[f"pagelm:{h}_count"] == before[f"pagelm:{h}_count"] + 1, h
+    for g in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total"):
+        assert f"pagelm:{g}" in after
+    assert after["pagelm:num_free_kv_blocks"] == after["pagelm:num_kv_blocks"] == 512
+
+
+# ---- many clients, and clients that leave -----------------------------------------------------
+
+
+def test_client_disconnect_mid_stream_frees_the_blocks(server):
+    before = metrics(server)
+    body = {"model": MODEL, "prompt": "forever", "max_tokens": 480, "stream": True, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=server, headers=headers, timeout=30) as http:
+        streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(4)]
+        responses = [s.__enter__() for s in streams]
+        for r in responses:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+        assert metrics(server)["pagelm:num_free_kv_blocks"] < 512
+        for s in streams:
+            s.__exit__(None, None, None)  # hang up mid-stream
+    abort = "pagelm:request_success_total{finished_reason=abort}"
+    assert wait_for(lambda: metrics(server).get(abort, 0) == before.get(abort, 0) + 4)
+    assert wait_for(lambda: metrics(server)["pagelm:num_free_kv_blocks"] == 512)
+    generated = metrics(server)["pagelm:generation_tokens_total"] - before["pagelm:generation_tokens_total"]
+    assert generated < 4 * 480
+
+
+def test_client_that_gives_up_on_a_non_streamed_request_aborts_it(server):
+    before = metrics(server)
+    body = {"model": MODEL, "prompt": "patience", "max_tokens": 480, "n": 2, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.2)
+    abort = "pagelm:request_success_total{finished_reason=abort}"
+    assert wait_for(lambda: metrics(server).get(abort, 0) == before.get(abort, 0) + 1)
+    assert wait_for(lambda: metrics(server)["pagelm:num_free_kv_blocks"] == 512)
+
+
+def test_200_concurrent_streams_all_complete(client, server):
+    prompts = [f"request {i}:" for i in range(5)]
+    expected = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        .choices[0].text
+        for p in prompts
+    ]
+    aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+    async def one(i):
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=prompts[i % 5], max_tokens=8, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        text, finish = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def main():
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(200))), 120)
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    assert [t for t, _ in results] == [expected[i % 5] for i in range(200)]
+    assert all(f == "length" for _, f in results)
+    assert wait_for(lambda: metrics(server)["pagelm:num_free_kv_blocks"] == 512)
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+
+def test_bench_serve_against_the_server_and_in_process(server, llama_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        pagelm_cmd(
+            "bench", "serve", "--base-url", server, "--api-key", API_KEY, "--concurrency", "1,4",
+            "--num-prompts", "8", "--output-len", "4", "--in-process", str(llama_dir), "--num-kv-blocks", "512",
+            "--max-model-len", "512", "--json", str(out),
+        ),
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())
+    assert {(x["target"], x["concurrency"]) for x in rows} == {
+        ("server", 1), ("server", 4), ("in-process", 1), ("in-process", 4)
+    }
+    assert all(x["errors"] == 0 and x["output_tokens_per_s"] > 0 for x in rows)
+    assert "server / in-process" in r.stdout

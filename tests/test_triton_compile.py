@@ -1,0 +1,79 @@
+"""The triton backend's kernels compile for a Hopper GPU (sm_90), on a machine without one.
+
+The interpreter runs kernels as Python and accepts things the compiler rejects (types that
+change across loop iterations, shared memory overflow...). Triton's wheel bundles ptxas, so
+the whole compiler pipeline down to a cubin runs on the CPU. It runs in a subprocess: the
+kernels must be decorated for the compiler, not for the interpreter other tests use.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from pagelm.backends.triton import kv_store, paged_attention as pa
+
+    TARGET = GPUTarget("cuda", 90, 32)
+    TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+
+    def compile_kernel(kernel, types, constexprs):
+        signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in kernel.arg_names}
+        options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=TARGET, options=options)
+        assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared  # H100 shared memory per block
+        return compiled
+
+    cache = torch.empty(1, 16, 1, 1)  # only its block size is read
+    for dtype, group, head_dim, max_query_len, split in [
+        (torch.bfloat16, 4, 128, 1, True),     # split-K decode, Llama-3-8B heads
+        (torch.bfloat16, 4, 128, 512, False),  # prefill
+        (torch.bfloat16, 1, 64, 512, False),   # MHA prefill, head 64
+        (torch.float16, 8, 128, 1, False),     # decode without splits
+        (torch.float32, 2, 64, 512, False),    # exact float32 dot
+        (torch.bfloat16, 2, 256, 512, False),  # largest head size
+    ]:
+        cfg = pa.tile_config(group, head_dim, max_query_len)
+        block_q = 1 if split else cfg.block_m // group
+        constexprs = pa._constexprs(group, head_dim, cache, cfg, block_q, dtype, None)
+        constexprs.update(SPLIT=split, SKIP_DECODES=not split)
+        io = dict.fromkeys(["out_ptr", "query_ptr", "key_cache_ptr", "value_cache_ptr"], TYPES[dtype])
+        io.update(dict.fromkeys(["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"], "*i32"))
+        io.update(decode_req_idx_ptr="*i32")
+        io.update(dict.fromkeys(["partial_m_ptr", "partial_l_ptr", "partial_acc_ptr"], "*fp32"), scale_log2="fp32")
+        compile_kernel(pa._paged_attention_kernel, io, constexprs)
+
+    compile_kernel(
+        pa._reduce_splits_kernel,
+        {"out_ptr": "*bf16", "partial_m_ptr": "*fp32", "partial_l_ptr": "*fp32", "partial_acc_ptr": "*fp32",
+         "decode_req_idx_ptr": "*i32", "query_start_loc_ptr": "*i32"},
+        dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=32),
+    )
+    compile_kernel(
+        kv_store._store_kv_kernel,
+        dict.fromkeys(["key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr"], "*bf16")
+        | {"slot_mapping_ptr": "*i64", "stride_cache_block": "i64"},
+        dict(NUM_KV_HEADS=8, HEAD_DIM=128, KV_HEADS_PAD=8, HEAD_PAD=128, BLOCK_SIZE=16),
+    )
+    print("compiled")
+    """
+)
+
+
+@pytest.mark.skipif(
+    tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 3),
+    reason="ASTSource takes constexprs in the signature from Triton 3.3 on",
+)
+def test_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.strip().endswith("compiled")
