@@ -10,9 +10,11 @@ Query ``i`` of a request with ``seq_len`` tokens and ``query_len`` new ones sits
 
 A program owns one *q-block* (``BLOCK_Q`` consecutive query tokens of one request) and one
 KV head, and computes all ``GROUP = num_heads // num_kv_heads`` query heads that share it,
-so a tile of ``BLOCK_M = BLOCK_Q * GROUP`` rows reuses each K/V tile it loads (GQA)::
+so its tile of ``BLOCK_M`` rows (a power of two; ``BLOCK_Q = BLOCK_M // GROUP``) reuses each
+K/V tile it loads for every head of the group (GQA)::
 
     row r -> query token q_block_start + r // GROUP, query head kv_head * GROUP + r % GROUP
+             (rows past BLOCK_Q * GROUP, or past the request's last token, are masked)
 
 It walks the request's keys in tiles of ``TILE_N`` positions, gathering each key's block
 through the block table (so ``TILE_N`` need not match the cache's block size), with an
