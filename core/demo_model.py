@@ -262,7 +262,7 @@ def train_demo_model(
     batch_size: int = 16,
     lr: float = 2e-3,
     seed: int = 0,
-    time_budget_s: float | None = 150.0,
+    time_budget_s: float | None = 140.0,
     progress: bool = True,
     model_args: DemoModelArgs | None = None,
     corpus_bytes: int = 3_000_000,
@@ -280,10 +280,11 @@ def train_demo_model(
     torch.manual_seed(seed)
     t0 = time.perf_counter()
 
-    sources = [text for _, text in stdlib_sources(corpus_bytes)]
-    chats = chat_examples([("", t) for t in sources])
-    tokenizer = train_tokenizer(sources + chats, args.vocab_size)
-    stream = _token_stream(tokenizer, sources + chats)
+    sources = stdlib_sources(corpus_bytes)
+    chats = chat_examples(sources)
+    docs = [text for _, text in sources] + chats
+    tokenizer = train_tokenizer(docs, args.vocab_size)
+    stream = _token_stream(tokenizer, docs)
 
     config = LlamaConfig(
         **asdict(args),
@@ -311,7 +312,7 @@ def train_demo_model(
     log = {
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "corpus_files": len(sources),
-        "corpus_chars": sum(map(len, sources)),
+        "corpus_chars": sum(len(doc) for doc in docs),
         "chat_examples": len(chats),
         "stream_tokens": stream.numel(),
         "seed": seed,

@@ -2,6 +2,8 @@
 only under ``TRITON_INTERPRET=1``). Importing it does not import Triton."""
 
 from pagelm import hookimpl
+
+PAGELM_PLUGIN_API = "1.0"
 from pagelm.backends.triton.backend import TritonAttentionBackend
 
 

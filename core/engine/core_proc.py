@@ -15,6 +15,7 @@ The process exits when the socket closes, so it never outlives the API process.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import sys
 import traceback
@@ -36,31 +37,75 @@ logger = logging.getLogger("pagelm")
 
 
 class MsgSocket:
-    """Blocking msgpack messages over a stream socket; ``recv(block=False)`` never waits."""
+    """msgpack messages over a stream socket, for the engine core's side.
+
+    Step outputs never make the step loop wait for the API process: ``publish`` sends what the
+    socket takes now and keeps the rest; outputs published while earlier ones are still queued
+    merge into one message. ``recv(block=False)`` never waits."""
 
     def __init__(self, sock: socket.socket, unpacker: msgpack.Unpacker | None = None) -> None:
         self.sock = sock
         self.unpacker = unpacker or msgpack.Unpacker()
         self.packer = msgpack.Packer()
+        self._out = bytearray()  # encoded, not yet taken by the socket
+        self._outputs: list | None = None  # published outputs not yet encoded
+        self._stats: list | None = None
 
     def send(self, msg) -> None:
-        self.sock.sendall(self.packer.pack(msg))
+        """Send one message, after everything published before it (blocking)."""
+        self._encode_pending()
+        self.sock.sendall(bytes(self._out) + self.packer.pack(msg))
+        self._out.clear()
+
+    def publish(self, outputs: list, stats: list) -> None:
+        if self._outputs is None:
+            self._outputs = outputs
+        else:
+            self._outputs.extend(outputs)
+        self._stats = stats
+        self._flush()
+
+    def _encode_pending(self) -> None:
+        if self._outputs is not None:
+            self._out += self.packer.pack(["out", self._outputs, self._stats])
+            self._outputs = None
+
+    def _flush(self) -> None:
+        while True:
+            if not self._out:
+                self._encode_pending()
+                if not self._out:
+                    return
+            try:
+                sent = self.sock.send(self._out, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return  # the API process is behind: keep stepping, merge later outputs
+            del self._out[:sent]
 
     def recv(self, block: bool) -> list:
-        """Every whole message that has arrived; with ``block``, at least one."""
+        """Every whole message that has arrived; with ``block``, at least one (while waiting,
+        queued outputs keep going out)."""
+        while True:
+            msgs = self._read_available()
+            if msgs or not block:
+                return msgs
+            self._flush()
+            writing = bool(self._out) or self._outputs is not None
+            readable, writable, _ = select.select([self.sock], [self.sock] if writing else [], [])
+            if writable:
+                self._flush()
+
+    def _read_available(self) -> list:
         msgs: list = []
-        flags = 0 if block else socket.MSG_DONTWAIT
         while True:
             try:
-                data = self.sock.recv(1 << 16, flags)
+                data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return msgs
             if not data:
                 raise EOFError("the API process closed the engine core socket")
             self.unpacker.feed(data)
             msgs.extend(self.unpacker)
-            if msgs:
-                flags = socket.MSG_DONTWAIT
 
 
 def serve(conn: MsgSocket) -> int:
@@ -95,7 +140,7 @@ def serve(conn: MsgSocket) -> int:
         return [(kind, decode_request(p, hasher) if kind == ADD else p) for kind, p in msgs]
 
     def publish(outputs, stats) -> None:
-        conn.send(["out", encode_outputs(outputs), encode_stats(stats)])
+        conn.publish(encode_outputs(outputs), encode_stats(stats))
 
     try:
         run_core_loop(core, inbox, publish)
