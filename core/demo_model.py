@@ -48,7 +48,7 @@ class DemoModelArgs:
     """Shape of the demo model; the defaults give ~2M parameters.
 
     Two layers, not four: on two CPU cores in ~150 s a 2-layer model takes ~1.6x the steps
-    of a 4-layer one and ends at a lower loss (measured 2.93 vs 3.64 nats/token at equal time).
+    of a 4-layer one (~930 vs ~570 at bs 16 x 128) and ends lower (2.9 vs 3.6 nats/token).
     """
 
     vocab_size: int = 2048
@@ -312,7 +312,7 @@ def train_demo_model(
     log = {
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "corpus_files": len(sources),
-        "corpus_chars": sum(len(doc) for doc in docs),
+        "corpus_chars": sum(len(text) for _, text in sources),
         "chat_examples": len(chats),
         "stream_tokens": stream.numel(),
         "seed": seed,
