@@ -219,3 +219,36 @@ def test_delta_stream_holds_back_a_possible_stop_string(llm):
             for out in engine.step():
                 streamed += out.outputs[0].text
         assert streamed == text[: text.find(stop)], stop
+
+
+def test_engine_core_never_waits_on_a_slow_reader_and_loses_no_output():
+    """With nobody reading, publish() returns at once; queued outputs merge, in order."""
+    import socket
+
+    import msgpack
+
+    from pagelm.engine.core_loop import SchedulerStats, decode_outputs, encode_outputs, encode_stats
+    from pagelm.engine.core_output import EngineCoreOutput
+    from pagelm.engine.core_proc import MsgSocket
+
+    ours, theirs = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    conn = MsgSocket(ours)
+    for step in range(2000):  # far more than the socket buffer holds
+        conn.publish(encode_outputs([EngineCoreOutput("r", [step])]), encode_stats(SchedulerStats(num_running=step)))
+    assert conn._out or conn._outputs  # some are still queued, and publish() did not block
+    received, unpacker = [], msgpack.Unpacker()
+    theirs.setblocking(False)
+    while len(received) < 2000:
+        try:
+            unpacker.feed(theirs.recv(1 << 16))
+        except BlockingIOError:
+            conn.recv(block=False)  # the core's loop turns: queued bytes go out
+            conn._flush()
+            continue
+        for kind, outs, stats in unpacker:
+            received += [o.new_token_ids[0] for o in decode_outputs(outs)]
+    assert received == list(range(2000))
+    assert stats[0] == 1999  # the newest stats ride with the merged outputs
+    ours.close()
+    theirs.close()
