@@ -1,10 +1,11 @@
-# pagelm: `make demo` sets up and runs the main job; `make test` sets up and runs the tests.
+# pagelm: `make serve` sets up and runs the main job (an OpenAI-compatible server on the
+# built-in demo model); `make test` sets up and runs the tests; `make demo` runs LLM.generate.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 # Pinned: an unpinned torch pulls GBs of CUDA wheels on a CPU machine.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup test demo
+.PHONY: setup test demo serve
 
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==$(TORCH_VERSION)"
@@ -15,3 +16,7 @@ test: setup
 
 demo: setup
 	$(PYTHON) -m pagelm.demo
+
+serve: setup
+	$(PYTHON) -m pip install -q -e ".[server]"
+	$(PYTHON) -c "import sys; from pagelm.cli import main; sys.exit(main(['serve']))"

@@ -91,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,
         timeout_graceful_shutdown=5,
     ))
+    print(
+        f"pagelm: serving {engine.model_name!r} on http://{args.host}:{args.port}; try:\n"
+        f"  curl http://{args.host}:{args.port}/v1/completions -H 'Content-Type: application/json' "
+        f"-d '{{\"model\": \"{engine.model_name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 64}}'",
+        flush=True,
+    )
     try:
         server.run()
     finally:
