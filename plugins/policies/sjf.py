@@ -22,15 +22,13 @@ Settings (``plugin_config={"sjf": {...}}``):
 
 from __future__ import annotations
 
-import heapq
 import importlib
-import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from pagelm import hookimpl
 from pagelm.request import Request
-from pagelm.sched.policy import SchedulingPolicy
+from pagelm.sched.ranked_queue import RankedQueuePolicy
 
 PAGELM_PLUGIN_API = "1.0"
 
@@ -52,7 +50,7 @@ def _load_predictor(spec: OutputPredictor | str | None) -> OutputPredictor | Non
     return getattr(importlib.import_module(module), attr)
 
 
-class SJFPolicy(SchedulingPolicy):
+class SJFPolicy(RankedQueuePolicy):
     name = "sjf"
 
     def __init__(self, config) -> None:
@@ -60,8 +58,6 @@ class SJFPolicy(SchedulingPolicy):
         settings = _settings(config)
         self.aging = float(settings.get("aging_tokens_per_s", DEFAULT_AGING_TOKENS_PER_S))
         self.predictor = _load_predictor(settings.get("predictor"))
-        self._heap: list[tuple[float, int, Request]] = []
-        self._counter = itertools.count()
 
     @classmethod
     def validate(cls, config) -> list[str]:
@@ -94,35 +90,6 @@ class SJFPolicy(SchedulingPolicy):
         """Smaller first: remaining work, less ``aging_tokens_per_s`` per second waited
         (up to a constant shared by every request)."""
         return self.remaining_work(request) + self.aging * request.arrival_time
-
-    # ---- the queue -----------------------------------------------------------------------
-    def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, (self.rank(request), next(self._counter), request))
-
-    def prepend(self, request: Request) -> None:
-        # Ranked by what is left (now including recomputing its KV) and by its original
-        # arrival: it keeps the aging it earned.
-        self.add(request)
-
-    def peek(self) -> Request:
-        return self._heap[0][-1]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[-1]
-
-    def remove(self, request: Request) -> None:
-        self._heap = [e for e in self._heap if e[-1] is not request]
-        heapq.heapify(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (e[-1] for e in sorted(self._heap, key=lambda e: e[:2]))
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def select_victim(self, running: list[Request]) -> Request:
-        # The running request the policy would serve last; among equals the newest.
-        return max(reversed(running), key=self.rank)
 
 
 @hookimpl
