@@ -41,6 +41,9 @@ class SchedulerOutput:
     # Requests whose runner-side state must be dropped before this step.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests under a grammar (guided decoding) that sample a token this step: the runner
+    # asks its structured-output provider for their allowed-token bitmask rows.
+    structured_output_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
