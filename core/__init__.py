@@ -5,7 +5,7 @@ The public API mirrors vLLM's offline API: ``LLM``, ``SamplingParams``, ``Reques
 
 from pagelm.hookspecs import hookimpl
 from pagelm.plugin_api import PLUGIN_API_VERSION
-from pagelm.sampling_params import SamplingParams
+from pagelm.sampling_params import GuidedDecodingParams, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -17,6 +17,9 @@ _LAZY = {
     "Logprob": ("pagelm.outputs", "Logprob"),
     "AttentionBackend": ("pagelm.attention", "AttentionBackend"),
     "SchedulingPolicy": ("pagelm.sched.policy", "SchedulingPolicy"),
+    "StructuredOutputBackend": ("pagelm.structured_output", "StructuredOutputBackend"),
+    "StructuredOutputGrammar": ("pagelm.structured_output", "StructuredOutputGrammar"),
+    "CompiledGrammar": ("pagelm.structured_output", "CompiledGrammar"),
     "get_plugin_manager": ("pagelm.plugin_manager", "get_plugin_manager"),
 }
 
@@ -32,4 +35,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'pagelm' has no attribute {name!r}")
 
 
-__all__ = ["PLUGIN_API_VERSION", "SamplingParams", "hookimpl", "__version__", *_LAZY]
+__all__ = ["PLUGIN_API_VERSION", "GuidedDecodingParams", "SamplingParams", "hookimpl", "__version__", *_LAZY]

@@ -40,9 +40,21 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
     scheduling_policy: str = "fcfs"
-    attention_backend: str = "torch"
+    # "auto": triton on CUDA when it is installed, else torch (logged at start-up).
+    attention_backend: str = "auto"
     load_format: str = "auto"
-    enforce_eager: bool = False
+    # None: CUDA graphs for decode when the device and the attention backend allow them;
+    # True: never; False: required (a backend that is not graph safe is then an error).
+    enforce_eager: bool | None = None
+    # No tokenizer at all (vLLM's name): prompts must be token ids and outputs carry token ids
+    # with empty text. For model directories without tokenizer files (benchmark presets).
+    skip_tokenizer_init: bool = False
+    # Guided decoding: the registered backend that compiles grammars (checked at start-up;
+    # its library only when a request first uses it), the compiled-grammar cache's memory
+    # bound, and how long one compile may take before its requests fail.
+    structured_output_backend: str = "xgrammar"
+    structured_output_cache_bytes: int = 512 << 20
+    structured_output_compile_timeout: float = 30.0
     # Extra, plugin-specific settings (e.g. a policy's knobs) pass through untouched.
     plugin_config: dict[str, Any] = field(default_factory=dict)
 
@@ -85,6 +97,12 @@ class EngineConfig:
             )
         if self.max_num_partial_prefills < 1:
             out.append(f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}")
+        if self.structured_output_cache_bytes < 0:
+            out.append(f"structured_output_cache_bytes must be >= 0, got {self.structured_output_cache_bytes}")
+        if not self.structured_output_compile_timeout > 0:
+            out.append(
+                f"structured_output_compile_timeout must be > 0 seconds, got {self.structured_output_compile_timeout}"
+            )
         if self.load_format not in ("auto", "safetensors", "dummy"):
             out.append(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
         return out

@@ -37,6 +37,13 @@ def pagelm_register_scheduling_policies(registry: "Registry") -> None:
 
 
 @hookspec
+def pagelm_register_structured_output_backends(registry: "Registry") -> None:
+    """Add ``StructuredOutputBackend`` subclasses (guided decoding libraries):
+    ``registry.add(name, backend_cls)``. The name is what ``structured_output_backend=``
+    selects."""
+
+
+@hookspec
 def pagelm_register_models(registry: "Registry") -> None:
     """Add model classes keyed by the Hugging Face ``architectures`` name in config.json:
     ``registry.add("LlamaForCausalLM", cls)``."""

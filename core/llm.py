@@ -12,6 +12,7 @@ from pagelm.config import EngineConfig
 from pagelm.engine.llm_engine import LLMEngine, PromptType
 from pagelm.outputs import RequestOutput
 from pagelm.sampling_params import SamplingParams
+from pagelm.structured_output import validate_guided_decoding
 
 Conversation = list[dict[str, Any]]
 
@@ -55,6 +56,8 @@ class LLM:
             text, token_ids = self.engine.tokenize_prompt(p)
             self.engine.validate_prompt(token_ids)
             tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
+        for sp in {id(sp): sp for sp in params if sp.guided_decoding is not None}.values():
+            validate_guided_decoding(self.config, sp.guided_decoding)
 
         ids = [str(next(self._counter)) for _ in prompts]
         for req_id, prompt, sp, prio, salt in zip(ids, tokenized, params, priorities, salts):
@@ -73,6 +76,8 @@ class LLM:
         """Generate replies to conversations rendered with the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer (its chat template); the engine has skip_tokenizer_init=True")
         prompts = []
         for conv in conversations:
             text = tokenizer.apply_chat_template(

@@ -25,7 +25,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:
@@ -56,4 +56,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # finish_reason "error": why the request failed (e.g. its grammar did not compile).
+    error: str | None = None
     extra: dict = field(default_factory=dict)

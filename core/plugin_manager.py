@@ -162,6 +162,9 @@ class PluginManager:
     def scheduling_policies(self) -> Registry:
         return self._collect("scheduling policy")
 
+    def structured_output_backends(self) -> Registry:
+        return self._collect("structured output backend")
+
     def models(self) -> Registry:
         return self._collect("model architecture")
 
@@ -186,10 +189,12 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
     """Plugin kind -> (registration hook, the ABC its entries must subclass)."""
     from pagelm.attention import AttentionBackend
     from pagelm.sched.policy import SchedulingPolicy
+    from pagelm.structured_output import StructuredOutputBackend
 
     return {
         "attention backend": ("pagelm_register_attention_backends", AttentionBackend),
         "scheduling policy": ("pagelm_register_scheduling_policies", SchedulingPolicy),
+        "structured output backend": ("pagelm_register_structured_output_backends", StructuredOutputBackend),
         "model architecture": ("pagelm_register_models", None),
     }
 

@@ -5,18 +5,26 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pagelm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagelm.structured_output import StructuredOutputGrammar
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Guided decoding: its grammar is compiling; the scheduler does not see it until then.
+    WAITING_FOR_GRAMMAR = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this is finished.
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # Failed before producing output (e.g. its grammar did not compile); ``Request.error`` says why.
+    FINISHED_ERROR = enum.auto()
 
     @property
     def finished(self) -> bool:
@@ -31,6 +39,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 BlockHasher = Callable[["Request"], list[bytes]]
@@ -72,6 +81,9 @@ class Request:
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        # Guided decoding: this request's grammar state, set once its grammar has compiled.
+        self.grammar: StructuredOutputGrammar | None = None
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -115,6 +127,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.guided_decoding is not None
 
     @property
     def is_prefill_done(self) -> bool:

@@ -3,10 +3,77 @@
 from __future__ import annotations
 
 import copy
+import json as _json
 from dataclasses import dataclass, field
+from typing import Any
 
 # Below this temperature a request is decoded greedily (argmax), as in vLLM.
 SAMPLING_EPS = 1e-5
+
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class GuidedDecodingParams:
+    """An output constraint (vLLM's names); exactly one field is set.
+
+    ``json``: a JSON schema (a dict or its JSON text); ``json_object``: any JSON object;
+    ``regex``: the whole output matches it; ``choice``: the output is one of these strings;
+    ``grammar``: an EBNF grammar (xgrammar's GBNF dialect, start rule ``root``).
+    Malformed values raise ``ValueError`` naming the field; whether the backend can compile
+    the constraint is checked when the request is added.
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in GUIDED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"guided_decoding must set exactly one of {', '.join(GUIDED_KINDS)}; got {given or 'none'}"
+            )
+        if isinstance(self.json, str):
+            try:
+                schema = _json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"guided_decoding.json is not valid JSON: {exc}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("guided_decoding.json must be a JSON schema (an object)")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"guided_decoding.json must be a dict or a JSON string, got {type(self.json).__name__}")
+        if self.json_object not in (True, False):
+            raise ValueError("guided_decoding.json_object must be a bool")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"guided_decoding.{name} must be a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError("guided_decoding.choice must be a non-empty list of strings")
+            if any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError("guided_decoding.choice must hold non-empty strings")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in GUIDED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one canonical string: with ``kind``, the compiled-grammar cache key."""
+        kind = self.kind
+        if kind == "json":
+            schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+            return _json.dumps(schema, separators=(",", ":"))  # key order matters: it is the output's
+        if kind == "json_object":
+            return ""
+        if kind == "choice":
+            return _json.dumps(self.choice)
+        return getattr(self, kind)
 
 
 @dataclass
@@ -32,6 +99,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Structured output: constrain the text to a JSON schema, regex, choice or grammar.
+    guided_decoding: GuidedDecodingParams | None = None
     # Filled by the engine from generation_config / tokenizer; not a user knob.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -45,6 +114,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.guided_decoding, dict):  # from the engine-core wire format, YAML, JSON
+            self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
         self._validate()
         self.all_stop_token_ids = set(self.stop_token_ids)
 
@@ -88,6 +159,8 @@ class SamplingParams:
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            raise bad("guided_decoding", "a GuidedDecodingParams or None")
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagelm import ops
 from pagelm.models.weights import default_weight_loader
 
 
@@ -26,20 +27,16 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-        # Normalise in float32 and scale in the model dtype, as Hugging Face does, so bf16
-        # outputs round the same way.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return self.weight * normed, x
+        # Normalised in float32 and scaled in the model dtype, as Hugging Face does, so bf16
+        # outputs round the same way (the fused kernel rounds identically).
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` over the fused ``[gate | up]`` projection output."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return ops.silu_and_mul(x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,16 +101,8 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot/2]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        heads = x.view(x.shape[0], -1, self.head_dim)
-        x1, x2 = heads[..., : self.rotary_dim].float().chunk(2, dim=-1)
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        if self.rotary_dim < self.head_dim:
-            rotated = torch.cat([rotated, heads[..., self.rotary_dim :]], dim=-1)
-        return rotated.view_as(x)
+        """Returns the rotated ``(q, k)``; on CUDA they are ``q`` and ``k`` rotated in place."""
+        return ops.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim, self.rotary_dim)
 
 
 # ---------------------------------------------------------------------------------------------

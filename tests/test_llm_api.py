@@ -163,7 +163,7 @@ def test_max_model_len_bounds_output(llama_dir):
 
 
 def test_pool_smaller_than_max_model_len_is_a_startup_error(llama_dir):
-    with pytest.raises(ValueError, match="lower max_model_len or raise num_kv_blocks"):
+    with pytest.raises(ValueError, match="less than one max_model_len=64 sequence; lower max_model_len"):
         LLM(str(llama_dir), num_kv_blocks=2, block_size=8, max_model_len=64)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagelm.sample import LogprobsTensors, Sampler, SamplingMetadata
+from pagelm.sample.sampler import apply_top_k_top_p, apply_top_k_without_sort
 
 NEG_INF = float("-inf")
 
@@ -89,6 +90,27 @@ def test_top_k_zero_means_off_for_that_row():
     draws = [sample(logits, md, seed).sampled_token_ids.tolist() for seed in range(40)]
     assert {d[0] for d in draws} == {5}
     assert len({d[1] for d in draws}) > 4
+
+
+def test_top_k_without_sort_masks_exactly_like_the_sort_path():
+    # Integer logits tie often; rows: off, k=1, mid k, k past the vocab, tied k-th values.
+    logits = torch.randint(-20, 20, (6, 300), generator=torch.Generator().manual_seed(4)).float()
+    logits[5, :40] = 25.0
+    top_k = torch.tensor([0, 1, 17, 100, 1000, 10])
+    expected = apply_top_k_top_p(logits, top_k, None)
+    assert torch.equal(apply_top_k_top_p(logits, top_k, None, max_top_k=1000), expected)
+    assert torch.equal(apply_top_k_without_sort(logits, top_k, 1000), expected)
+    assert (expected[5] > float("-inf")).sum() == 40  # all 40 tied with the 10th largest kept
+
+
+def test_sampler_with_max_top_k_draws_the_same_tokens():
+    logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(5))
+    top_k = torch.tensor([1, 5, 20, 50, 0, 3, 40, 20])
+    with_hint = make_md([1.0] * 8, top_k=top_k, max_top_k=50)
+    without = make_md([1.0] * 8, top_k=top_k)
+    for seed in range(5):
+        tokens = sample(logits, with_hint, seed).sampled_token_ids
+        assert torch.equal(tokens, sample(logits, without, seed).sampled_token_ids)
 
 
 def test_tiny_top_p_keeps_only_the_most_likely_token():

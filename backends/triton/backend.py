@@ -103,6 +103,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         self.target_programs = max(target_programs, self.max_splits)
         self.scratch = ScratchPool(self.target_programs, device)
         self._decode_req_idx = torch.zeros(self.target_programs, dtype=torch.int32, device=device)
+        # Graphs keep their own (constant) index: eager steps rewrite the one above.
+        self._graph_decode_req_idx = torch.arange(self.target_programs, dtype=torch.int32, device=device)
 
     def num_splits(self, num_decodes: int, max_decode_seq_len: int) -> int:
         if num_decodes == 0:
@@ -110,6 +112,14 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         by_length = max_decode_seq_len // self.min_tokens_per_split
         by_occupancy = self.target_programs // num_decodes
         return max(1, min(self.max_splits, by_length, by_occupancy))
+
+    def build_for_cudagraph(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        """Every request is a decode; the split count depends on the batch size alone (a
+        short sequence leaves some splits empty, which the reduce weighs 0)."""
+        num_decodes = common.num_reqs
+        num_splits = max(1, min(self.max_splits, self.target_programs // num_decodes))
+        decode_req_idx = self._graph_decode_req_idx[:num_decodes] if num_splits > 1 else None
+        return self._metadata(common, num_splits, num_decodes if num_splits > 1 else 0, decode_req_idx)
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         query_lens = np.diff(common.query_start_loc_cpu.numpy())
@@ -124,6 +134,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             decode_req_idx.copy_(idx, non_blocking=True)
         else:
             num_decodes = 0
+        return self._metadata(common, num_splits, num_decodes, decode_req_idx)
+
+    def _metadata(self, common, num_splits, num_decodes, decode_req_idx) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(
             num_reqs=common.num_reqs,
             num_actual_tokens=common.num_actual_tokens,
@@ -183,6 +196,7 @@ def interpreter_enabled() -> bool:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    cuda_graph_safe = True
     # CPU only under TRITON_INTERPRET=1 (tests, debugging); see validate().
     supported_devices = ("cuda", "cpu")
     supports_sliding_window = True

@@ -64,6 +64,15 @@ class AttentionMetadataBuilder(ABC):
     def build(self, common: CommonAttentionMetadata) -> Any:
         """Return the backend's metadata object, handed to every layer this step."""
 
+    def build_for_cudagraph(self, common: CommonAttentionMetadata) -> Any:
+        """Metadata for a decode batch captured in a CUDA graph (``num_reqs`` = the padded
+        batch size, one query token each). The graph replays whatever host-side choices were
+        made at capture, so they may depend on ``num_reqs`` only, never on ``seq_lens``; the
+        device tensors in ``common`` are the runner's persistent buffers, refilled before
+        every replay. Padding rows have ``seq_len`` 1 and slot -1 (nothing stored).
+        Only backends with ``cuda_graph_safe = True`` are asked."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
 
 class AttentionImpl(ABC):
     """One per attention layer."""
@@ -93,6 +102,8 @@ class AttentionBackend(ABC):
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     supports_sliding_window: ClassVar[bool] = False
+    # True: decode steps may be captured in CUDA graphs (no host syncs or value-dependent
+    # shapes in forward, and the builder implements build_for_cudagraph).
     cuda_graph_safe: ClassVar[bool] = False
 
     @classmethod

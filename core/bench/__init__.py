@@ -1,2 +1,3 @@
-"""Benchmarks behind ``pagelm bench``: one module per benchmark (``serve``), sharing the
-synthetic workload in ``workload``."""
+"""Benchmarks behind ``pagelm bench``: one module per benchmark (``latency``, ``throughput``,
+``serve``), sharing seeded workloads (``workload``), the memory roofline (``roofline``), the
+built-in model presets (``presets``) and the Hugging Face peer (``hf_compare``)."""

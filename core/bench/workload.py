@@ -1,5 +1,6 @@
 """Synthetic, seeded workloads: the same prompts for every run and every target (server or
-in-process), so figures compare like with like."""
+in-process, pagelm or Hugging Face), so figures compare like with like. ``Workload`` is text for
+the server benchmark; ``TokenWorkload`` is token ids for the latency and throughput ones."""
 
 from __future__ import annotations
 
@@ -25,3 +26,47 @@ class Workload:
             f"{i}: " + " ".join(rng.choice(_WORDS) for _ in range(input_words)) for i in range(num_prompts)
         ]
         return cls(prompts, output_len)
+
+
+@dataclass
+class TokenWorkload:
+    """Prompts as random token ids, each with its own output length (generated with EOS
+    ignored, so every request produces exactly that many tokens)."""
+
+    prompt_token_ids: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def head(self, n: int) -> "TokenWorkload":
+        return TokenWorkload(self.prompt_token_ids[:n], self.output_lens[:n])
+
+    @classmethod
+    def nano_vllm(
+        cls, num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024, seed: int = 0
+    ) -> "TokenWorkload":
+        """nano-vllm's ``bench.py``, draw for draw: ``random.seed(0)``, every prompt first
+        (length uniform in [100, max_input_len], ids uniform in [0, 10000]), then every output
+        length (uniform in [100, max_output_len]). The defaults give 142,827 prompt and 133,966
+        output tokens."""
+        rng = random.Random(seed)
+        prompts = [
+            [rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))] for _ in range(num_seqs)
+        ]
+        return cls(prompts, [rng.randint(100, max_output_len) for _ in range(num_seqs)])
+
+    @classmethod
+    def fixed(
+        cls, num_seqs: int, input_len: int, output_len: int, vocab_size: int, seed: int = 0
+    ) -> "TokenWorkload":
+        """``num_seqs`` prompts of exactly ``input_len`` ids below ``min(vocab_size, 10000)``."""
+        rng = random.Random(seed)
+        high = min(vocab_size, 10000) - 1
+        prompts = [[rng.randint(0, high) for _ in range(input_len)] for _ in range(num_seqs)]
+        return cls(prompts, [output_len] * num_seqs)

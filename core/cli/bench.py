@@ -6,11 +6,11 @@ from __future__ import annotations
 import importlib
 
 # Benchmark modules under pagelm.bench, in the order `pagelm bench --help` lists them.
-BENCHMARKS = ["serve"]
+BENCHMARKS = ["latency", "throughput", "serve"]
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks (serve: load-test a running server)", description=__doc__)
+    p = sub.add_parser("bench", help="benchmarks: latency, throughput, serve", description=__doc__)
     bench_sub = p.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name in BENCHMARKS:
         importlib.import_module(f"pagelm.bench.{name}").add_parser(bench_sub)

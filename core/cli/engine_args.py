@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -30,17 +31,21 @@ _HELP = {
     "long_prefill_token_threshold": "cap on one request's prefill chunk per step (0 = off)",
     "max_num_partial_prefills": "most requests with an unfinished prompt per step",
     "scheduling_policy": "registered scheduling policy name (see `pagelm plugins`)",
-    "attention_backend": "registered attention backend name (see `pagelm plugins`)",
+    "attention_backend": "registered attention backend name (see `pagelm plugins`) or auto",
     "load_format": "auto, safetensors or dummy (random weights)",
-    "enforce_eager": "never use CUDA graphs",
+    "enforce_eager": "--enforce-eager: never use CUDA graphs; --no-enforce-eager: require them (unset: when possible)",
+    "skip_tokenizer_init": "load no tokenizer: prompts must be token ids, outputs have no text",
+    "structured_output_backend": "registered guided-decoding backend name (see `pagelm plugins`)",
+    "structured_output_cache_bytes": "memory bound of the compiled-grammar cache, in bytes",
+    "structured_output_compile_timeout": "seconds one grammar may take to compile before its requests fail",
     "plugin_config": "JSON/YAML mapping of plugin-specific settings",
 }
 
 
 def _flag_type(field: dataclasses.Field) -> Any:
-    hint = typing.get_type_hints(EngineConfig)[field.name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    base = args[0]
+    base = typing.get_type_hints(EngineConfig)[field.name]
+    if typing.get_origin(base) in (typing.Union, types.UnionType):  # "int | None" -> int
+        base = next(a for a in typing.get_args(base) if a is not type(None))
     if base is bool:
         return "bool"
     if base in (int, float, str):

@@ -77,6 +77,7 @@ def _merge_delta(acc: RequestOutput, new: RequestOutput) -> None:
         prev.cumulative_logprob = c.cumulative_logprob
         prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
     acc.finished = new.finished
+    acc.error = acc.error or new.error
     acc.metrics = new.metrics
     acc.num_cached_tokens = new.num_cached_tokens
 
@@ -178,6 +179,8 @@ class AsyncLLM:
                 except _Aborted:
                     return
                 finished = out.finished
+                if out.error is not None:  # e.g. its grammar did not compile: bad input
+                    raise ValueError(out.error)
                 yield out
         finally:
             if self._streams.get(request_id) is stream:

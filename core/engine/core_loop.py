@@ -116,7 +116,7 @@ def encode_outputs(outputs: list[EngineCoreOutput]) -> list:
     return [
         [
             o.request_id, o.new_token_ids, o.finish_reason, o.stop_reason, o.num_cached_tokens,
-            o.first_scheduled_time, _encode_lp(o.new_logprobs), _encode_lp(o.new_prompt_logprobs),
+            o.first_scheduled_time, _encode_lp(o.new_logprobs), _encode_lp(o.new_prompt_logprobs), o.error,
         ]
         for o in outputs
     ]
@@ -127,9 +127,9 @@ def decode_outputs(data: list) -> list[EngineCoreOutput]:
         EngineCoreOutput(
             request_id=rid, new_token_ids=ids, new_logprobs=_decode_lp(lp),
             new_prompt_logprobs=_decode_lp(plp), finish_reason=reason, stop_reason=stop,
-            num_cached_tokens=cached, first_scheduled_time=sched,
+            num_cached_tokens=cached, first_scheduled_time=sched, error=error,
         )
-        for rid, ids, reason, stop, cached, sched, lp, plp in data
+        for rid, ids, reason, stop, cached, sched, lp, plp, error in data
     ]
 
 

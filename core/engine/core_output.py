@@ -18,6 +18,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # Set on a request's first output: when the scheduler first admitted it.
     first_scheduled_time: float | None = None
+    # finish_reason "error": why the request failed (e.g. its grammar did not compile).
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from pagelm.attention import attention_layers
+from pagelm.attention.selector import select_attention_backend
 from pagelm.config import EngineConfig
 from pagelm.engine.core_output import EngineCoreOutput
 from pagelm.kv_cache import KVCacheManager, cdiv
@@ -20,9 +21,13 @@ from pagelm.model_loader import load_hf_config, load_model, resolve_model_path
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.request import Request, RequestStatus
 from pagelm.sched.scheduler import Scheduler
+from pagelm.structured_output import StructuredOutputManager
 from pagelm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagelm")
+
+# Decode graphs allocate their activations from a private pool, outside the profiled peak.
+_CUDA_GRAPH_RESERVE = 512 << 20
 
 
 class EngineCore:
@@ -33,8 +38,10 @@ class EngineCore:
         self.plugins = plugins
 
         # Resolve plugin names first: a typo fails before any weight is read.
-        backend_cls = plugins.attention_backends().get(config.attention_backend)
+        if config.attention_backend != "auto":
+            plugins.attention_backends().get(config.attention_backend)
         policy_cls = plugins.scheduling_policies().get(config.scheduling_policy)
+        structured_output_cls = plugins.structured_output_backends().get(config.structured_output_backend)
         problems = policy_cls.validate(config)
         if problems:
             raise ValueError(f"scheduling_policy={config.scheduling_policy!r}: " + "; ".join(problems))
@@ -47,38 +54,54 @@ class EngineCore:
         self.vocab_size = self.hf_config.vocab_size
         model = load_model(config, path, self.hf_config, self.device, self.dtype)
         layers = attention_layers(model)
-        problems = backend_cls.validate(config, layers[0].spec, self.dtype, self.device)
-        if problems:
-            raise ValueError(f"attention_backend={config.attention_backend!r}: " + "; ".join(problems))
+        backend_cls = select_attention_backend(
+            config, plugins.attention_backends(), layers[0].spec, self.dtype, self.device
+        )
+        use_cuda_graphs = self._use_cuda_graphs(backend_cls)
 
-        self.num_kv_blocks = self._num_kv_blocks(layers, list(model.parameters()))
+        self.eos_token_ids = eos_token_ids
+        self.runner = ModelRunner(
+            config, model, backend_cls, self.device, self.dtype, eos_token_ids, self.vocab_size, self.max_model_len
+        )
+        self.num_kv_blocks = self._num_kv_blocks(layers)
         if self.num_kv_blocks * config.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {self.num_kv_blocks} blocks x {config.block_size} = "
                 f"{self.num_kv_blocks * config.block_size} tokens, less than one max_model_len="
-                f"{self.max_model_len} sequence; lower max_model_len or raise num_kv_blocks"
+                f"{self.max_model_len} sequence; lower max_model_len, raise gpu_memory_utilization "
+                "or num_kv_blocks, or lower max_num_batched_tokens / max_num_seqs (activations)"
             )
+        self.runner.initialize_kv_cache(self.num_kv_blocks)
+        if use_cuda_graphs:
+            self.runner.capture_cuda_graphs()
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv_cache_manager, policy_cls(config), self.max_model_len)
-        self.eos_token_ids = eos_token_ids
+        # Guided decoding: grammars compile off the step loop; the runner asks it for bitmasks.
+        self.structured_output = StructuredOutputManager(
+            config, structured_output_cls, self.vocab_size, eos_token_ids, pin_memory=self.device.type == "cuda"
+        )
+        self.runner.structured_output = self.structured_output
+        self.scheduler = Scheduler(
+            config, self.kv_cache_manager, policy_cls(config), self.max_model_len, self.structured_output
+        )
         # req_id -> when it was first scheduled, until its first output carries it out.
         self._first_scheduled: dict[str, float] = {}
-        self.runner = ModelRunner(
-            config,
-            model,
-            backend_cls,
-            self.device,
-            self.dtype,
-            self.num_kv_blocks,
-            eos_token_ids,
-            self.hf_config.vocab_size,
-        )
         logger.info(
-            "pagelm engine: %s on %s/%s, %d KV blocks of %d tokens, backend=%s, policy=%s",
+            "pagelm engine: %s on %s/%s, %d KV blocks of %d tokens, backend=%s, policy=%s, cuda_graphs=%s",
             path.name, self.device, self.dtype, self.num_kv_blocks, config.block_size,
-            backend_cls.name, policy_cls.name,
+            backend_cls.name, policy_cls.name, use_cuda_graphs,
         )
         plugins.hook.pagelm_engine_started(engine=self)
+
+    def _use_cuda_graphs(self, backend_cls) -> bool:
+        """Graphs need CUDA and a graph-safe backend. ``enforce_eager=False`` demands them, so
+        a combination that cannot have them is an error rather than a silent fallback."""
+        possible = self.device.type == "cuda" and backend_cls.cuda_graph_safe
+        if self.config.enforce_eager is False and not possible:
+            why = "they need a CUDA device" if self.device.type != "cuda" else (
+                f"attention backend {backend_cls.name!r} is not CUDA-graph safe"
+            )
+            raise ValueError(f"enforce_eager=False asks for CUDA graphs, but {why}; leave enforce_eager unset or True")
+        return possible and not self.config.enforce_eager
 
     def _max_model_len(self) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None)
@@ -91,24 +114,26 @@ class EngineCore:
             raise ValueError(f"max_model_len={want} exceeds the model's max_position_embeddings={limit}")
         return want
 
-    def _num_kv_blocks(self, layers, model_params) -> int:
+    def _num_kv_blocks(self, layers) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         per_token = sum(2 * l.spec.num_kv_heads * l.spec.head_dim for l in layers) * self.dtype.itemsize
         per_block = per_token * cfg.block_size
         if self.device.type == "cuda":
+            # Our share of the card, minus what a worst-case step needs (weights, activations,
+            # the sampler's logits: measured by a profiling forward pass), minus memory that
+            # is not ours (CUDA context, other processes), minus room for the decode graphs.
+            peak = self.runner.profile_run()
             free, total = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations of the largest step and the sampler's logits.
-            hidden = self.hf_config.hidden_size
-            inter = getattr(self.hf_config, "intermediate_size", 4 * hidden)
-            activations = cfg.max_num_batched_tokens * (4 * hidden + 2 * inter) * 4 * 2
-            logits = cfg.max_num_seqs * self.hf_config.vocab_size * 4 * 4
-            reserve = activations + logits
-            # Our share of the card (minus our weights), but never more than is free now:
-            # other engines in this process or on this GPU keep what they hold.
-            weights = sum(p.numel() * p.element_size() for p in model_params)
-            budget = min(total * cfg.gpu_memory_utilization - weights, free) - reserve
+            not_torch = total - free - torch.cuda.memory_reserved(self.device)
+            graphs = _CUDA_GRAPH_RESERVE if not cfg.enforce_eager else 0
+            budget = total * cfg.gpu_memory_utilization - peak - not_torch - graphs
+            budget = min(budget, free - graphs)
+            logger.info(
+                "KV sizing: %.2f GiB total, peak step %.2f GiB, non-torch %.2f GiB -> KV %.2f GiB",
+                total / 2**30, peak / 2**30, not_torch / 2**30, max(budget, 0) / 2**30,
+            )
             return max(int(budget // per_block), 0)
         needed = cfg.max_num_seqs * cdiv(self.max_model_len, cfg.block_size)
         return max(1, min(cfg.cpu_kv_cache_space // per_block, needed))
@@ -136,10 +161,8 @@ class EngineCore:
             now = time.time()
             for new in sched_out.scheduled_new_reqs:  # resumed after preemption: keep the first time
                 self._first_scheduled.setdefault(new.req_id, now)
-        if sched_out.is_empty:
-            # Nothing runnable: still let the runner drop finished requests' state.
-            self.runner.execute_model(sched_out)
-            return []
+        # Also when nothing is scheduled: the runner drops finished requests' state, and the
+        # scheduler reports requests that failed before running (a grammar that did not compile).
         runner_out = self.runner.execute_model(sched_out)
         outputs, finished = self.scheduler.update_from_output(sched_out, runner_out)
         if self._first_scheduled:
@@ -150,4 +173,5 @@ class EngineCore:
         return outputs
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.plugins.hook.pagelm_engine_shutdown(engine=self)

@@ -19,6 +19,7 @@ from pagelm.kv_cache import make_block_hasher
 from pagelm.outputs import RequestOutput
 from pagelm.request import Request
 from pagelm.sampling_params import SamplingParams
+from pagelm.structured_output import validate_guided_decoding
 
 # vLLM's prompt shapes: a string, or {"prompt_token_ids": [...]} (TokensPrompt), or
 # {"prompt": "..."} (TextPrompt).
@@ -26,14 +27,17 @@ PromptType = Union[str, dict[str, Any]]
 
 
 def load_eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
-    """EOS ids from generation_config.json (int or list), else config.json, else tokenizer."""
+    """EOS ids from generation_config.json (int or list), else config.json, else tokenizer
+    (when there is one)."""
     for name in ("generation_config.json", "config.json"):
         f = model_dir / name
         if f.exists():
             eos = json.loads(f.read_text()).get("eos_token_id")
             if eos is not None:
                 return frozenset([eos] if isinstance(eos, int) else eos)
-    return frozenset([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else frozenset()
+    if tokenizer is None or tokenizer.eos_token_id is None:
+        return frozenset()
+    return frozenset([tokenizer.eos_token_id])
 
 
 class LLMEngine:
@@ -43,7 +47,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, core_factory: Callable[..., Any] = EngineCore) -> None:
         self.config = config
         model_dir = Path(config.model).expanduser()
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.tokenizer = (
+            None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        )
         eos = load_eos_token_ids(model_dir, self.tokenizer) if model_dir.is_dir() else frozenset()
         self.core = core_factory(config, eos)
         self.max_model_len = self.core.max_model_len
@@ -53,12 +59,13 @@ class LLMEngine:
 
     # ---- input processing ----------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt" in prompt):
+            text = prompt if isinstance(prompt, str) else prompt["prompt"]
+            if self.tokenizer is None:
+                raise ValueError("skip_tokenizer_init=True: prompts must be {'prompt_token_ids': [...]}, not text")
+            return text, self.tokenizer.encode(text)
         raise ValueError(
             "prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
             f"got {type(prompt).__name__}"
@@ -91,9 +98,13 @@ class LLMEngine:
         before anything is queued."""
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; with skip_tokenizer_init=True use stop_token_ids")
         vocab_bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if vocab_bad:
             raise ValueError(f"stop_token_ids {vocab_bad} are outside the vocabulary [0, {self.vocab_size})")
+        if params.guided_decoding is not None:
+            validate_guided_decoding(self.config, params.guided_decoding)
         arrival_time = time.time() if arrival_time is None else arrival_time
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

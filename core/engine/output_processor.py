@@ -58,7 +58,8 @@ class RequestState:
         self.output_kind = output_kind
         self.parent = parent
         self.index = index
-        self.detokenizer = IncrementalDetokenizer(
+        # No tokenizer (skip_tokenizer_init): token ids only, the text stays empty.
+        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(
             tokenizer,
             prompt_token_ids,
             skip_special_tokens=params.skip_special_tokens,
@@ -73,6 +74,7 @@ class RequestState:
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.error: str | None = None
         self._sent_text_len = 0
         # Streaming with stop strings holds back text that could still turn out to be the
         # start of a stop string (and be cut), so deltas always add up to the final text.
@@ -82,8 +84,8 @@ class RequestState:
         self._sent_tokens = 0
         self._sent_logprobs = 0
 
-    def _decode(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _decode(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _to_dicts(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
         out = []
@@ -102,6 +104,9 @@ class RequestState:
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._to_dicts(out.new_prompt_logprobs))
         if not out.new_token_ids:
+            if out.error is not None:  # failed before producing output (e.g. a grammar error)
+                self.finish_reason, self.error = out.finish_reason, out.error
+                self.metrics.finished_time = now
             return None
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
@@ -111,7 +116,7 @@ class RequestState:
         if self.logprobs is not None and out.new_logprobs is not None:
             self.logprobs.extend(self._to_dicts(out.new_logprobs))
             self.cumulative_logprob += sum(lps[0] for lps in out.new_logprobs.logprobs)
-        stop_str = self.detokenizer.update(out.new_token_ids)
+        stop_str = None if self.detokenizer is None else self.detokenizer.update(out.new_token_ids)
         if stop_str is not None:
             self.finish_reason, self.stop_reason = "stop", stop_str
         elif out.finish_reason is not None:
@@ -122,7 +127,7 @@ class RequestState:
 
     def completion(self) -> CompletionOutput:
         """The whole completion so far (FINAL_ONLY) or only the new part (DELTA)."""
-        text = self.detokenizer.output_text
+        text = "" if self.detokenizer is None else self.detokenizer.output_text
         if self.output_kind == OutputKind.DELTA:
             end = len(text) if self.finish_reason is not None else len(text) - self._stop_holdback
             end = max(end, self._sent_text_len)
@@ -232,4 +237,5 @@ class OutputProcessor:
             finished=all_done,
             metrics=state.metrics,
             num_cached_tokens=state.num_cached_tokens,
+            error=state.error,
         )

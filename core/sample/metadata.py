@@ -19,6 +19,8 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     top_k: torch.Tensor | None = None  # [N] int, 0 = off for that row
+    # The largest top_k, known on the host: top-k alone with a small one skips the vocab sort.
+    max_top_k: int | None = None
     top_p: torch.Tensor | None = None  # [N] float32, 1.0 = off
     min_p: torch.Tensor | None = None  # [N] float32, 0.0 = off
     # Row -> that request's own generator (seeded requests), so its draws never depend on

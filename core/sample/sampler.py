@@ -77,7 +77,7 @@ class Sampler(nn.Module):
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
         if md.top_k is not None or md.top_p is not None:
-            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+            logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
         random = exponential_race(logits.softmax(dim=-1), md.generators, generator)
 
         if greedy is None:
@@ -97,8 +97,8 @@ def apply_min_tokens(logits: torch.Tensor, stop_ids: dict[int, set[int]]) -> tor
     if not rows:
         return logits
     index = (
-        torch.tensor(rows, dtype=torch.long, device=logits.device),
-        torch.tensor(cols, dtype=torch.long, device=logits.device),
+        torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True),
+        torch.tensor(cols, dtype=torch.long).to(logits.device, non_blocking=True),
     )
     return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
 
@@ -115,7 +115,7 @@ def _pad_outputs(output_token_ids: list[list[int]], num_rows: int, vocab_size: i
     assert len(rows) == num_rows, "output_token_ids needs one list per logits row"
     width = max((len(r) for r in rows), default=0)
     padded = [r + [vocab_size] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.long, device=device).reshape(num_rows, width)
+    return torch.tensor(padded, dtype=torch.long).reshape(num_rows, width).to(device, non_blocking=True)
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -151,17 +151,26 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+# Top-k alone with every row's k at most this picks the k-th largest logit with one
+# torch.topk instead of sorting the whole vocab (usual k are 20 to 100).
+TOP_K_WITHOUT_SORT_MAX = 1024
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor,
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
+    max_top_k: int | None = None,
 ) -> torch.Tensor:
     """Top-k then top-p (nucleus) in one descending sort of the vocab.
 
     Top-k keeps every token tied with the k-th largest logit. Top-p keeps a token while the
     probability mass strictly before it is still below ``p``: the smallest set reaching ``p``,
-    and always the most likely token.
+    and always the most likely token. ``max_top_k`` is the host's largest ``top_k`` in the
+    batch (``None``: not known); with top-k alone and a small one, no sort is needed.
     """
+    if top_p is None and max_top_k is not None and max_top_k <= TOP_K_WITHOUT_SORT_MAX:
+        return apply_top_k_without_sort(logits, top_k, max_top_k)
     vocab_size = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     if top_k is not None:
@@ -175,6 +184,16 @@ def apply_top_k_top_p(
         drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def apply_top_k_without_sort(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Top-k as :func:`apply_top_k_top_p` does it (ties with the k-th largest kept, rows at 0
+    left whole), reading each row's k-th largest logit off one ``topk`` of ``max_top_k``."""
+    largest = logits.topk(min(max_top_k, logits.shape[-1]), dim=-1).values  # [N, max_top_k], descending
+    k = top_k.clamp(1, largest.shape[-1]).long()
+    kth_largest = largest.gather(-1, (k - 1)[:, None])
+    kth_largest = kth_largest.masked_fill((top_k <= 0)[:, None], float("-inf"))
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
 
 
 def exponential_race(

@@ -17,7 +17,12 @@ from pagelm.kv_cache import KVCacheManager
 from pagelm.request import Request, RequestStatus
 from pagelm.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagelm.sched.policy import SchedulingPolicy
+from pagelm.structured_output import StructuredOutputManager
 from pagelm.worker.output import ModelRunnerOutput
+
+# With nothing to run but grammars compiling, schedule() waits this long for a compile
+# instead of spinning (new requests are picked up after at most this delay).
+_IDLE_GRAMMAR_WAIT_S = 0.005
 
 
 class Scheduler:
@@ -27,6 +32,7 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         policy: SchedulingPolicy,
         max_model_len: int,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
@@ -36,10 +42,19 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0
+        # Guided decoding: grammars compile off the step loop; a request joins the waiting
+        # queue once its grammar is ready, or fails with the compile's error.
+        self.structured_output = structured_output
+        self._failed: list[Request] = []
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        if request.use_structured_output:
+            assert self.structured_output is not None, "guided decoding needs a StructuredOutputManager"
+            if not self.structured_output.submit(request):  # not cached: compiling
+                request.status = RequestStatus.WAITING_FOR_GRAMMAR
+                return
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -51,7 +66,7 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-            else:
+            elif req.status != RequestStatus.WAITING_FOR_GRAMMAR:
                 self.waiting.remove(req)
             req.status = status
             self._free(req)
@@ -59,6 +74,8 @@ class Scheduler:
         return done
 
     def _free(self, request: Request) -> None:
+        if request.use_structured_output:
+            self.structured_output.release(request)
         self.kv.free(request)
         self._finished_since_last_step.add(request.request_id)
         del self.requests[request.request_id]
@@ -69,13 +86,16 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        compiling = self.structured_output.num_waiting_for_grammar if self.structured_output else 0
+        return len(self.waiting) + compiling
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.structured_output is not None and self.structured_output.has_pending:
+            self._take_compiled_grammars()
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
         self._finished_since_last_step = set()
         step = _StepState(budget=self.config.max_num_batched_tokens)
@@ -85,6 +105,19 @@ class Scheduler:
             self._schedule_waiting(out, step)
         self._finalize(out, step)
         return out
+
+    def _take_compiled_grammars(self) -> None:
+        """Queue the requests whose grammar has compiled; fail those whose compile failed."""
+        if not self.running and not len(self.waiting):  # nothing else to do: wait, don't spin
+            self.structured_output.wait(_IDLE_GRAMMAR_WAIT_S)
+        ready, failed = self.structured_output.poll()
+        for req in ready:
+            req.status = RequestStatus.WAITING
+            self.waiting.add(req)
+        for req in failed:  # reported by the next update_from_output
+            req.status = RequestStatus.FINISHED_ERROR
+            self._free(req)
+            self._failed.append(req)
 
     def _schedule_running(self, out: SchedulerOutput, step: "_StepState") -> None:
         # Decodes first, then unfinished prefills: a long prompt never starves decodes.
@@ -154,6 +187,8 @@ class Scheduler:
                 out.scheduled_cached_reqs.append(
                     CachedRequestData(req_id, step.new_block_ids[req_id], req.num_computed_tokens)
                 )
+            if req.grammar is not None and req.num_computed_tokens + num_new >= req.num_tokens:
+                out.structured_output_request_ids.append(req_id)  # it samples: mask its logits
             # Progress is booked at scheduling time; the runner reads the pre-step value.
             req.num_computed_tokens += num_new
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
@@ -194,8 +229,8 @@ class Scheduler:
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> tuple[list[EngineCoreOutput], list[Request]]:
         """Append sampled tokens, check stop conditions, free finished requests."""
-        outputs: list[EngineCoreOutput] = []
-        finished: list[Request] = []
+        outputs = [EngineCoreOutput(r.request_id, [], finish_reason="error", error=r.error) for r in self._failed]
+        finished, self._failed = self._failed, []
         index = {req_id: i for i, req_id in enumerate(runner_out.req_ids)}
         for req_id in sched_out.num_scheduled_tokens:
             req = self.requests.get(req_id)
@@ -209,6 +244,8 @@ class Scheduler:
             if new_ids:
                 req.append_output_token_ids(new_ids)
                 self._check_stop(req)
+                if req.grammar is not None:
+                    self._advance_grammar(req, new_ids)
             if not new_ids and prompt_lps is None:
                 continue
             outputs.append(
@@ -220,6 +257,7 @@ class Scheduler:
                     finish_reason=req.status.finish_reason,
                     stop_reason=req.stop_reason,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
+                    error=req.error,
                 )
             )
             if req.is_finished:
@@ -227,6 +265,14 @@ class Scheduler:
                 self._free(req)
                 finished.append(req)
         return outputs, finished
+
+    def _advance_grammar(self, req: Request, new_ids: list[int]) -> None:
+        """Move the grammar over the sampled tokens; a complete grammar ends the request."""
+        if not req.grammar.accept_tokens(new_ids):  # the bitmask should have made this impossible
+            req.status = RequestStatus.FINISHED_ERROR
+            req.error = f"guided_decoding: sampled token(s) {new_ids} are not allowed by the grammar"
+        elif req.grammar.is_terminated():
+            req.status = RequestStatus.FINISHED_STOPPED
 
     def _check_stop(self, req: Request) -> None:
         token = req.output_token_ids[-1]

@@ -18,6 +18,18 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: str = "text"  # text, json_object or json_schema
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(OpenAIModel):
     """What completions and chat completions share."""
 
@@ -44,6 +56,12 @@ class SamplingFields(OpenAIModel):
     # pagelm / vLLM extras
     priority: int = 0
     cache_salt: str | None = None
+    # Structured output: OpenAI's response_format, or one of vLLM's guided_* fields.
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -66,17 +84,12 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
 
 
-class ResponseFormat(OpenAIModel):
-    type: str = "text"
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,8 +22,9 @@ from fastapi.responses import StreamingResponse
 from pagelm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagelm.engine.output_processor import OutputKind
 from pagelm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagelm.sampling_params import SamplingParams
+from pagelm.sampling_params import GuidedDecodingParams, SamplingParams
 from pagelm.server.errors import APIError, param_of
+from pagelm.structured_output import validate_guided_decoding
 from pagelm.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -48,6 +50,7 @@ _SAMPLING_NAMES = {
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
 }
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 class OpenAIServing:
@@ -55,6 +58,8 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
+        if self.tokenizer is None:
+            raise ValueError("the OpenAI server needs a tokenizer: do not set skip_tokenizer_init")
 
     # ---- checks shared by both endpoints --------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -87,6 +92,7 @@ class OpenAIServing:
             ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            guided_decoding=self.guided_decoding(req),
         )
         try:
             return SamplingParams(**kwargs)
@@ -97,6 +103,38 @@ class OpenAIServing:
                 message = message.replace(param, rename[param], 1)
                 param = rename[param]
             raise APIError(message, param=param) from None
+
+    def guided_decoding(self, req: SamplingFields) -> GuidedDecodingParams | None:
+        """The request's output constraint (``response_format`` or one ``guided_*`` field),
+        checked here so that a bad schema, regex or grammar is a 400 naming the field."""
+        given = [name for name in _GUIDED_FIELDS if getattr(req, name) is not None]
+        fmt = req.response_format
+        if fmt is not None and fmt.type != "text":
+            given.insert(0, "response_format")
+        if not given:
+            return None
+        if len(given) > 1:
+            raise APIError(f"give at most one output constraint, got {', '.join(given)}", param=given[1])
+        name = given[0]
+        where = "response_format.json_schema.schema" if name == "response_format" and fmt.type == "json_schema" else name
+        try:
+            if name != "response_format":
+                params = GuidedDecodingParams(**{name.removeprefix("guided_"): getattr(req, name)})
+            elif fmt.type == "json_object":
+                params = GuidedDecodingParams(json_object=True)
+            elif fmt.type == "json_schema":
+                if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                    raise APIError("response_format of type json_schema needs json_schema.schema", param=name)
+                params = GuidedDecodingParams(json=fmt.json_schema.schema_)
+            else:
+                raise APIError(
+                    f"response_format type must be text, json_object or json_schema, got {fmt.type!r}", param=name
+                )
+            validate_guided_decoding(self.engine.config, params)
+        except ValueError as exc:  # "guided_decoding.json: invalid JSON schema: ..." -> the field used here
+            message = re.sub(r"^guided_decoding(\.\w+)?", where, str(exc))
+            raise APIError(message, param=name) from None
+        return params
 
     def check_prompt(self, token_ids: list[int], max_tokens: int | None, prompt_name: str, max_tokens_name: str) -> None:
         try:
@@ -234,8 +272,6 @@ class OpenAIServing:
         self.check_engine()
         if req.tools:
             raise APIError("tools are not supported", param="tools")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(f"response_format {req.response_format.type!r} is not supported", param="response_format")
         max_tokens, max_name = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             max_tokens, max_name = req.max_completion_tokens, "max_completion_tokens"

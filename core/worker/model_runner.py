@@ -1,14 +1,20 @@
 """The model runner: turns a ``SchedulerOutput`` into one flattened forward pass and samples.
 
 It keeps per-request token ids and block ids between steps (the scheduler sends only what
-changed), builds ``input_ids``, ``positions``, ``slot_mapping``, ``query_start_loc``,
-``seq_lens`` and the block table, runs the model inside a forward context, samples the last
-token of every request, and returns plain lists. ``.tolist()`` on the sampled ids is the one
-host sync per step.
+changed) and each request's row of a persistent CPU block table; every step it writes
+``input_ids``, ``positions``, ``slot_mapping``, ``query_start_loc``, ``seq_lens`` and the
+block table into persistent buffers (``InputBuffers``: pinned staging, non-blocking copies),
+runs the model (or replays a CUDA graph for a decode batch), samples the last token of every
+request and returns plain lists. ``.tolist()`` on the sampled ids is the one host sync per step.
+
+Start-up, in the order ``EngineCore`` calls it: ``profile_run`` (peak memory of a worst-case
+step, to size the KV pool), ``initialize_kv_cache``, ``capture_cuda_graphs``.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,11 +29,17 @@ from pagelm.attention import (
     forward_context,
 )
 from pagelm.config import EngineConfig
-from pagelm.sample import Sampler
+from pagelm.kv_cache import cdiv
+from pagelm.sample import Sampler, SamplingMetadata
+from pagelm.sample.bitmask import apply_token_bitmask
 from pagelm.sampling_params import SamplingParams
 from pagelm.sched.output import SchedulerOutput
+from pagelm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from pagelm.worker.input_buffers import InputBuffers
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
 from pagelm.worker.sampling_inputs import build_sampling_metadata
+
+logger = logging.getLogger("pagelm")
 
 
 @dataclass
@@ -39,6 +51,18 @@ class CachedRequestState:
     block_ids: list[int]
     need_prompt_logprobs: bool
     output_token_ids: list[int] = field(default_factory=list)
+    row: int = -1  # this request's row in the runner's CPU block table
+
+
+@dataclass
+class StepInputs:
+    num_reqs: int
+    num_tokens: int
+    common: CommonAttentionMetadata
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    uniform_decode: bool  # one token per request: hidden row i is request i's last token
+    graph_size: int | None = None  # replay the CUDA graph of this (padded) batch size
 
 
 class ModelRunner:
@@ -49,38 +73,116 @@ class ModelRunner:
         backend: type[AttentionBackend],
         device: torch.device,
         dtype: torch.dtype,
-        num_blocks: int,
         eos_token_ids: frozenset[int],
         vocab_size: int,
+        max_model_len: int,
     ) -> None:
         self.config = config
         self.model = model
+        self.backend = backend
         self.device = device
+        self.dtype = dtype
         self.block_size = config.block_size
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_reqs = config.max_num_seqs
         self.requests: dict[str, CachedRequestState] = {}
-        self.kv_caches = self._bind_attention(backend, num_blocks, dtype)
+        max_blocks_per_req = cdiv(max_model_len, self.block_size)
+        self.block_table_cpu = np.zeros((self.max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self._free_rows = list(range(self.max_num_reqs - 1, -1, -1))
+        self._arange = np.arange(self.max_num_reqs + 1, dtype=np.int32)
+        self.buffers = InputBuffers(config.max_num_batched_tokens, self.max_num_reqs, max_blocks_per_req, device)
         self.metadata_builder = backend.make_metadata_builder(device)
+        self.kv_caches: list[torch.Tensor] = []
+        self.cuda_graphs: CudaGraphRunner | None = None
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
+        # Set by the engine when guided decoding is available: grammar_bitmask(req_ids).
+        self.structured_output = None
 
-    def _bind_attention(self, backend: type[AttentionBackend], num_blocks: int, dtype: torch.dtype):
-        caches = []
+    # ---- start-up ------------------------------------------------------------------------
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate every layer's paged cache and bind the backend's implementation to it."""
+        self.kv_caches = []
         for idx, layer in enumerate(attention_layers(self.model)):
             spec = layer.spec
-            shape = backend.get_kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-            cache = torch.zeros(shape, dtype=dtype, device=self.device)
-            layer.layer_idx, layer.impl, layer.kv_cache = idx, backend.make_impl(spec), cache
-            caches.append(cache)
-        return caches
+            shape = self.backend.get_kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.layer_idx, layer.impl, layer.kv_cache = idx, self.backend.make_impl(spec), cache
+            self.kv_caches.append(cache)
+
+    def _release_kv_cache(self) -> None:
+        for layer in attention_layers(self.model):
+            layer.kv_cache = None
+        self.kv_caches = []
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Run a worst-case step on dummy data (``max_num_batched_tokens`` prompt tokens over
+        up to ``max_num_seqs`` requests, then the sampler with top-k/top-p, which sorts the
+        vocab, over all of their logits) and return the peak bytes torch allocated, minus the
+        small KV cache the step needed: weights + activations, what the KV pool must leave."""
+        assert self.device.type == "cuda", "profiling sizes the GPU KV pool"
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_num_reqs * self.max_model_len)
+        num_reqs = min(self.max_num_reqs, num_tokens)
+        counts = [num_tokens // num_reqs + (i < num_tokens % num_reqs) for i in range(num_reqs)]
+        num_blocks = sum(cdiv(c, self.block_size) for c in counts)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.initialize_kv_cache(num_blocks)
+        kv_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        states, next_block = [], 0
+        for i, count in enumerate(counts):
+            blocks = list(range(next_block, next_block + cdiv(count, self.block_size)))
+            next_block += len(blocks)
+            states.append(self._add_state(CachedRequestState(
+                req_id=f"profile-{i}", token_ids=[0] * count, num_prompt_tokens=count,
+                sampling_params=SamplingParams(), block_ids=blocks, need_prompt_logprobs=False,
+            )))
+        try:
+            step = self._prepare_inputs(states, [0] * num_reqs, counts, allow_graph=False)
+            logits = self._logits(step)
+            md = SamplingMetadata(
+                temperature=torch.ones(num_reqs, device=self.device), all_greedy=False, all_random=True,
+                top_k=torch.full((num_reqs,), 50, device=self.device),
+                top_p=torch.full((num_reqs,), 0.9, device=self.device),
+            )
+            self.sampler(logits, md, self.generator)
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        finally:
+            for state in states:
+                self._remove_state(state.req_id)
+            self._release_kv_cache()
+            torch.cuda.empty_cache()
+        return peak - kv_bytes
+
+    def capture_cuda_graphs(self) -> None:
+        sizes = capture_sizes(self.max_num_reqs, self.config.max_num_batched_tokens)
+        self.cuda_graphs = CudaGraphRunner(
+            self.model, self.buffers, self.metadata_builder, sizes, self.max_model_len, self.block_size
+        )
+        self.cuda_graphs.capture()
 
     # ---- request state -------------------------------------------------------------------
+    def _add_state(self, state: CachedRequestState) -> CachedRequestState:
+        assert self._free_rows, "more running requests than max_num_seqs"
+        state.row = self._free_rows.pop()
+        self.block_table_cpu[state.row, : len(state.block_ids)] = state.block_ids
+        self.requests[state.req_id] = state
+        return state
+
+    def _remove_state(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
-            self.requests.pop(req_id, None)
+            self._remove_state(req_id)
         for new in sched.scheduled_new_reqs:
-            self.requests[new.req_id] = CachedRequestState(
+            self._add_state(CachedRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids),
@@ -88,9 +190,13 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 need_prompt_logprobs=new.need_prompt_logprobs,
                 output_token_ids=list(new.output_token_ids),
-            )
+            ))
         for cached in sched.scheduled_cached_reqs:
-            self.requests[cached.req_id].block_ids.extend(cached.new_block_ids)
+            if cached.new_block_ids:
+                state = self.requests[cached.req_id]
+                n = len(state.block_ids)
+                self.block_table_cpu[state.row, n : n + len(cached.new_block_ids)] = cached.new_block_ids
+                state.block_ids.extend(cached.new_block_ids)
 
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -105,17 +211,15 @@ class ModelRunner:
         starts = [num_computed[r] for r in req_ids]
         counts = [sched.num_scheduled_tokens[r] for r in req_ids]
 
-        input_ids, positions, common = self._prepare_inputs(states, starts, counts)
-        attn_metadata = self.metadata_builder.build(common)
-        with forward_context(ForwardContext(attn_metadata=attn_metadata)):
-            hidden = self.model(input_ids, positions)
-
-        last = common.query_start_loc[1:].long() - 1
-        logits = self.model.compute_logits(hidden[last])
+        step = self._prepare_inputs(states, starts, counts)
+        # Built while the GPU runs the forward pass queued by _logits.
         md = build_sampling_metadata(states, self.eos_token_ids, self.vocab_size, self.device)
+        logits, hidden = self._logits(step, return_hidden=True)
+        if sched.structured_output_request_ids and self.structured_output is not None:
+            self._apply_grammar(logits, sched.structured_output_request_ids, req_ids)
         sampled = self.sampler(logits, md, self.generator)
 
-        prompt_logprobs = self._prompt_logprobs(states, starts, counts, hidden, common)
+        prompt_logprobs = self._prompt_logprobs(states, starts, counts, hidden, step.common)
         sampled_ids = sampled.sampled_token_ids.tolist()  # the one host sync per step
         logprobs = _split_logprobs(sampled.logprobs, states)
 
@@ -129,56 +233,100 @@ class ModelRunner:
                 out_ids.append([])
         return ModelRunnerOutput(req_ids, out_ids, logprobs, prompt_logprobs)
 
-    def _prepare_inputs(self, states, starts, counts):
-        """Flatten the batch::
+    def _logits(self, step: StepInputs, return_hidden: bool = False):
+        """Queue the forward pass and the LM head over each request's last token."""
+        n = step.num_reqs
+        if step.graph_size is not None:
+            hidden = self.cuda_graphs.replay(step.graph_size)[:n]
+        else:
+            attn_metadata = self.metadata_builder.build(step.common)
+            with forward_context(ForwardContext(attn_metadata=attn_metadata)):
+                hidden = self.model(step.input_ids, step.positions)
+        if step.uniform_decode:
+            last_hidden = hidden[:n]
+        else:
+            last_hidden = hidden[step.common.query_start_loc[1:].long() - 1]
+        logits = self.model.compute_logits(last_hidden)
+        return (logits, hidden) if return_hidden else logits
 
-            input_ids     | r0: tokens[c0:c0+n0] | r1: tokens[c1:c1+n1] | ...
-            positions     | c0 ... c0+n0-1       | c1 ... c1+n1-1       | ...
-            slot_mapping  block_table[r][pos // block_size] * block_size + pos % block_size
-        """
-        bs = self.block_size
+    def _apply_grammar(self, logits: torch.Tensor, constrained: list[str], req_ids: list[str]) -> None:
+        bitmask = self.structured_output.grammar_bitmask(constrained)
+        if bitmask is None:
+            return
+        index = {r: i for i, r in enumerate(req_ids)}
+        rows = torch.tensor([index[r] for r in constrained], dtype=torch.long).to(self.device, non_blocking=True)
+        apply_token_bitmask(logits, bitmask, rows=rows)
+
+    def _prepare_inputs(self, states, starts, counts, allow_graph: bool = True) -> StepInputs:
+        """Write the flattened batch into the persistent buffers (see ``InputBuffers``)."""
+        b, bs = self.buffers, self.block_size
         num_reqs = len(states)
+        num_tokens = sum(counts)
+        assert num_tokens <= b.max_num_tokens, "step larger than max_num_batched_tokens"
+        uniform_decode = num_tokens == num_reqs
         counts_np = np.asarray(counts, dtype=np.int64)
         starts_np = np.asarray(starts, dtype=np.int64)
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-        np.cumsum(counts_np, out=query_start_loc[1:])
-        seq_lens = (starts_np + counts_np).astype(np.int32)
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-        for i, s in enumerate(states):
-            block_table[i, : len(s.block_ids)] = s.block_ids
 
-        req_index = np.repeat(np.arange(num_reqs), counts_np)
-        positions = np.arange(int(query_start_loc[-1]), dtype=np.int64) - np.repeat(
-            query_start_loc[:-1].astype(np.int64) - starts_np, counts_np
+        qsl = b.query_start_loc.np
+        if uniform_decode:
+            qsl[: num_reqs + 1] = self._arange[: num_reqs + 1]
+        else:
+            qsl[0] = 0
+            qsl[1 : num_reqs + 1] = np.cumsum(counts_np)
+        seq_lens = starts_np + counts_np
+        b.seq_lens.np[:num_reqs] = seq_lens
+        max_seq_len = max(starts) + 1 if uniform_decode else int(seq_lens.max())
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
+        if uniform_decode:
+            positions = starts_np
+            block_rows = rows
+            b.input_ids.np[:num_reqs] = [s.token_ids[c] for s, c in zip(states, starts)]
+        else:
+            req_index = np.repeat(np.arange(num_reqs), counts_np)
+            positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(
+                qsl[:num_reqs].astype(np.int64) - starts_np, counts_np
+            )
+            block_rows = rows[req_index]
+            b.input_ids.np[:num_tokens] = np.fromiter(
+                itertools.chain.from_iterable(s.token_ids[c : c + n] for s, c, n in zip(states, starts, counts)),
+                dtype=np.int64, count=num_tokens,
+            )
+        b.positions.np[:num_tokens] = positions
+        b.slot_mapping.np[:num_tokens] = (
+            self.block_table_cpu[block_rows, positions // bs].astype(np.int64) * bs + positions % bs
         )
-        slot_mapping = block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
-        input_ids = np.fromiter(
-            (t for s, c, n in zip(states, starts, counts) for t in s.token_ids[c : c + n]),
-            dtype=np.int64,
-            count=int(query_start_loc[-1]),
-        )
+        max_cols = cdiv(max_seq_len, bs)
+        block_table = b.upload_block_table(self.block_table_cpu[rows, :max_cols])
 
-        dev = self.device
-        qsl_cpu = torch.from_numpy(query_start_loc)
-        seq_lens_cpu = torch.from_numpy(seq_lens)
+        graph_size = None
+        if allow_graph and uniform_decode and self.cuda_graphs is not None:
+            graph_size = self.cuda_graphs.padded_size(num_reqs)
+        if graph_size is not None:
+            self.cuda_graphs.fill_padding(num_reqs, graph_size)
+            size, num_uploaded = graph_size, graph_size
+        else:
+            size, num_uploaded = num_reqs, num_tokens
+        input_ids = b.input_ids.upload(num_uploaded)
+        positions_dev = b.positions.upload(num_uploaded)
+        slot_mapping = b.slot_mapping.upload(num_uploaded)
+        seq_lens_dev = b.seq_lens.upload(size)
+        query_start_loc = b.query_start_loc.upload(size + 1)
         common = CommonAttentionMetadata(
             num_reqs=num_reqs,
-            num_actual_tokens=int(query_start_loc[-1]),
-            max_query_len=int(counts_np.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
-            seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
-            block_table=torch.from_numpy(block_table).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_lens_cpu,
+            num_actual_tokens=num_tokens,
+            max_query_len=1 if uniform_decode else int(counts_np.max()),
+            max_seq_len=max_seq_len,
+            query_start_loc=query_start_loc[: num_reqs + 1],
+            seq_lens=seq_lens_dev[:num_reqs],
+            block_table=block_table,
+            slot_mapping=slot_mapping[:num_tokens],
+            query_start_loc_cpu=b.query_start_loc.host[: num_reqs + 1],
+            seq_lens_cpu=b.seq_lens.host[:num_reqs],
             block_size=bs,
         )
-        return (
-            torch.from_numpy(input_ids).to(dev, non_blocking=True),
-            torch.from_numpy(positions).to(dev, non_blocking=True),
-            common,
+        return StepInputs(
+            num_reqs, num_tokens, common, input_ids[:num_tokens], positions_dev[:num_tokens],
+            uniform_decode, graph_size,
         )
 
     def _prompt_logprobs(self, states, starts, counts, hidden, common) -> dict[str, LogprobsLists]:

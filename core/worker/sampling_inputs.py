@@ -17,6 +17,12 @@ def step_seed(seed: int, step: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without a stream sync (``torch.tensor(..., device=cuda)``
+    would wait for the GPU to drain)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def build_sampling_metadata(states, eos_token_ids: frozenset[int], vocab_size: int, device) -> SamplingMetadata:
     params = [s.sampling_params for s in states]
     n = len(params)
@@ -24,9 +30,9 @@ def build_sampling_metadata(states, eos_token_ids: frozenset[int], vocab_size: i
     def column(values, dtype, default):
         if all(v == default for v in values):
             return None
-        return torch.tensor(values, dtype=dtype, device=device)
+        return to_device(values, dtype, device)
 
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    temperature = to_device([p.temperature for p in params], torch.float32, device)
     greedy = [p.temperature < SAMPLING_EPS for p in params]
     generators = {}
     for i, s in enumerate(states):
@@ -44,7 +50,7 @@ def build_sampling_metadata(states, eos_token_ids: frozenset[int], vocab_size: i
         prompt_ids = torch.full((n, width), vocab_size, dtype=torch.long)
         for i, s in enumerate(states):
             prompt_ids[i, : s.num_prompt_tokens] = torch.tensor(s.token_ids[: s.num_prompt_tokens])
-        prompt_ids = prompt_ids.to(device)
+        prompt_ids = prompt_ids.to(device, non_blocking=True)
 
     min_tokens_stop_ids = {}
     for i, s in enumerate(states):
@@ -60,6 +66,7 @@ def build_sampling_metadata(states, eos_token_ids: frozenset[int], vocab_size: i
         all_greedy=all(greedy),
         all_random=not any(greedy),
         top_k=column([p.top_k for p in params], torch.long, 0),
+        max_top_k=max(p.top_k for p in params) if any(p.top_k > 0 for p in params) else None,
         top_p=column([p.top_p for p in params], torch.float32, 1.0),
         min_p=column([p.min_p for p in params], torch.float32, 0.0),
         generators=generators,

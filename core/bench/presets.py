@@ -1,0 +1,145 @@
+"""Built-in benchmark models: the shapes of real checkpoints as Hugging Face ``config.json``
+dicts, run with random weights (``load_format="dummy"``) and no tokenizer, so a benchmark needs
+no download. ``--model qwen3-0.6b`` in a benchmark materialises the preset as a directory
+holding only ``config.json``::
+
+    ~/.cache/pagelm/presets/qwen3-0.6b/config.json
+
+The values are those of the published checkpoints' ``config.json`` (Qwen/Qwen3-0.6B,
+meta-llama/Llama-3.2-1B, meta-llama/Llama-3.1-8B, Qwen/Qwen3-8B), in the hub's own spelling
+(``rope_theta`` and ``rope_scaling``), so they load exactly as a downloaded directory would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+_QWEN3_COMMON: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 40960,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 151936,
+}
+
+_LLAMA3_COMMON: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
+
+def _llama3_rope(factor: float) -> dict[str, Any]:
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {
+        **_QWEN3_COMMON,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "max_window_layers": 28,
+        "num_attention_heads": 16,
+        "tie_word_embeddings": True,
+    },
+    "llama-3.2-1b": {
+        **_LLAMA3_COMMON,
+        "head_dim": 64,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "rope_scaling": _llama3_rope(32.0),
+        "tie_word_embeddings": True,
+    },
+    "llama-3.1-8b": {
+        **_LLAMA3_COMMON,
+        "head_dim": 128,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "rope_scaling": _llama3_rope(8.0),
+        "tie_word_embeddings": False,
+    },
+    "qwen3-8b": {
+        **_QWEN3_COMMON,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "max_window_layers": 36,
+        "num_attention_heads": 32,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def default_presets_dir() -> Path:
+    from pagelm.demo_model import default_cache_dir
+
+    return default_cache_dir() / "presets"
+
+
+def materialize(name: str, root: Path | None = None) -> Path:
+    """The directory of preset ``name`` (``config.json`` only), written if missing or stale."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    path = (root or default_presets_dir()) / name
+    text = json.dumps(PRESETS[name], indent=2, sort_keys=True) + "\n"
+    config = path / "config.json"
+    if not config.exists() or config.read_text() != text:
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / f".config.json.{os.getpid()}.tmp"
+        tmp.write_text(text)
+        tmp.replace(config)  # atomic: concurrent benchmarks never read half a file
+    return path
+
+
+def resolve_bench_model(
+    model: str, engine_kwargs: dict[str, Any], root: Path | None = None
+) -> tuple[str, dict[str, Any]]:
+    """``--model`` as a directory and the engine arguments to run it with: a preset name turns
+    into its directory with random weights and no tokenizer (flags given explicitly win)."""
+    if model in PRESETS:
+        return str(materialize(model, root)), {"load_format": "dummy", "skip_tokenizer_init": True, **engine_kwargs}
+    if not Path(model).expanduser().is_dir():
+        raise SystemExit(f"--model {model!r} is neither a model directory nor a preset ({', '.join(PRESETS)})")
+    return model, dict(engine_kwargs)

@@ -1,0 +1,122 @@
+"""Triton neox (rotate-half) RoPE, in place on q and k: one program per token.
+
+q and k are usually column slices of the fused qkv projection, so a token's row may be wider
+than its heads (``stride_q_tok >= num_heads * head_dim``). The program loads its position's cos
+and sin once and rotates ``BLOCK_H`` heads of q, then of k, at a time::
+
+    head h of token t:  | x1 (rotary_dim/2) | x2 (rotary_dim/2) | pass-through |
+                        -> x1 cos - x2 sin,   x2 cos + x1 sin      (untouched)
+
+The products and sums are separate float32 roundings, as in the eager torch reference (the
+launch turns off fusing them into FMAs), so float32 results match it exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagelm.ops.triton_common import is_interpreted, round_to
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, stride_tok, stride_head, num_heads, tok, cos, sin,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    dims = tl.arange(0, HALF_PAD)
+    for h0 in range(0, num_heads, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        mask = (heads[:, None] < num_heads) & (dims[None, :] < HALF)
+        first = x_ptr + tok * stride_tok + heads[:, None].to(tl.int64) * stride_head + dims[None, :]
+        x1 = tl.load(first, mask=mask, other=0.0)
+        x2 = tl.load(first + HALF, mask=mask, other=0.0)
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        tl.store(first, round_to(a * cos - b * sin, x1.dtype, INTERPRETED), mask=mask)
+        tl.store(first + HALF, round_to(b * cos + a * sin, x1.dtype, INTERPRETED), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    cos_sin_ptr,  # [max_position, 2 * HALF] float32: cos then sin
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    num_q_heads,
+    num_k_heads,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    dims = tl.arange(0, HALF_PAD)
+    cache_row = cos_sin_ptr + pos * (2 * HALF)
+    cos = tl.load(cache_row + dims, mask=dims < HALF, other=0.0)[None, :]
+    sin = tl.load(cache_row + HALF + dims, mask=dims < HALF, other=0.0)[None, :]
+    _rotate_heads(
+        q_ptr, stride_q_tok, stride_q_head, num_q_heads, tok, cos, sin, HALF, HALF_PAD, BLOCK_H, INTERPRETED
+    )
+    _rotate_heads(
+        k_ptr, stride_k_tok, stride_k_head, num_k_heads, tok, cos, sin, HALF, HALF_PAD, BLOCK_H, INTERPRETED
+    )
+
+
+INTERPRETED = is_interpreted(_rotary_kernel)
+
+# Elements of one tensor a program holds at once: BLOCK_H heads of HALF_PAD dims.
+_TILE = 2048
+
+
+def _heads(x: torch.Tensor, num_tokens: int, head_dim: int) -> torch.Tensor:
+    """``[num_tokens, heads, head_dim]`` view of flattened (or already split) q or k."""
+    assert x.stride(-1) == 1, "rotary needs each head's dims contiguous"
+    return x.view(num_tokens, -1, head_dim)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+    rotary_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`pagelm.ops.reference.rotary_embedding`, but rotates q and k
+    in place and returns them."""
+    num_tokens = positions.numel()
+    assert positions.is_contiguous() and q.shape[0] == k.shape[0] == num_tokens
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[-1] == rotary_dim
+    assert cos_sin_cache.is_contiguous() and rotary_dim % 2 == 0 and rotary_dim <= head_dim
+    if num_tokens == 0:
+        return q, k
+    q_heads, k_heads = _heads(q, num_tokens, head_dim), _heads(k, num_tokens, head_dim)
+    half = rotary_dim // 2
+    half_pad = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(max(q_heads.shape[1], k_heads.shape[1])), max(1, _TILE // half_pad))
+    _rotary_kernel[(num_tokens,)](
+        q_heads,
+        k_heads,
+        positions,
+        cos_sin_cache,
+        q_heads.stride(0),
+        q_heads.stride(1),
+        k_heads.stride(0),
+        k_heads.stride(1),
+        q_heads.shape[1],
+        k_heads.shape[1],
+        HALF=half,
+        HALF_PAD=half_pad,
+        BLOCK_H=block_h,
+        INTERPRETED=INTERPRETED,
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
+    return q, k

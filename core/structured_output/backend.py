@@ -1,0 +1,123 @@
+"""The structured-output plugin contract: a backend compiles a request's constraint
+(``GuidedDecodingParams``) into a ``CompiledGrammar`` (expensive, shared, cached by the core),
+and each request walks its own ``StructuredOutputGrammar`` (a matcher) over the tokens it
+samples::
+
+    backend.compile(params) -> CompiledGrammar --new_grammar()--> StructuredOutputGrammar
+       (worker thread, cached)                                     (one per request)
+
+    each step:  grammar.fill_bitmask(bitmask, row)    runner: allowed tokens of the next sample
+                grammar.accept_tokens([token])        scheduler: after the token is sampled
+                grammar.is_terminated()               scheduler: the structure is complete
+
+The bitmask is xgrammar's layout: ``int32 [rows, ceil(vocab_size / 32)]``, bit ``j % 32`` of
+word ``j // 32`` set when token ``j`` is allowed.
+
+Speculative decoding (not built yet) plugs in through ``validate_tokens`` (how many leading
+draft tokens the grammar accepts, without moving) and ``rollback`` (undo the rejected tail
+after ``accept_tokens``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from pagelm.config import EngineConfig
+    from pagelm.sampling_params import GuidedDecodingParams
+
+
+class StructuredOutputGrammar(ABC):
+    """One request's position in its grammar."""
+
+    @abstractmethod
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        """Advance over ``token_ids``. If one is not allowed, return False and leave the state
+        as it was before the call."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (rejected speculative drafts)."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into row ``row`` of the int32 CPU ``bitmask``."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete and its stop token (EOS) has been accepted."""
+
+    def validate_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` the grammar accepts, state unchanged
+        (for checking speculative drafts). Backends may override with a cheaper check."""
+        accepted = 0
+        for token in token_ids:
+            if not self.accept_tokens([token]):
+                break
+            accepted += 1
+        if accepted:
+            self.rollback(accepted)
+        return accepted
+
+
+class CompiledGrammar(ABC):
+    """A constraint compiled against the model's vocabulary; shared by every request that
+    asks for the same constraint, and kept in the core's cache."""
+
+    @property
+    @abstractmethod
+    def memory_size_bytes(self) -> int:
+        """What it holds in memory (the cache is bounded by the sum of these)."""
+
+    @abstractmethod
+    def new_grammar(self) -> StructuredOutputGrammar:
+        """A fresh matcher at the start of the grammar, for one request."""
+
+
+class StructuredOutputBackend(ABC):
+    """A guided-decoding library. Registered with ``pagelm_register_structured_output_backends``
+    and chosen with ``structured_output_backend=<name>``.
+
+    The class side runs wherever requests arrive (the API process): ``validate`` and
+    ``validate_request`` must be cheap and need no tokenizer. An instance is built once per
+    engine, in a compile worker thread, when the first guided request arrives.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, config: "EngineConfig", tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        """``tokenizer``: the model's Hugging Face tokenizer; ``vocab_size``: the model's
+        (logits width, possibly larger than the tokenizer's); ``eos_token_ids``: the tokens
+        that end a sequence, allowed only where the grammar is complete."""
+        self.config = config
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def validate(cls, config: "EngineConfig") -> list[str]:
+        """Problems with using this backend under ``config`` (e.g. its library is missing).
+        Checked when the first guided request arrives, so an engine that never sees one does
+        not need the library."""
+        return []
+
+    @classmethod
+    def validate_request(cls, params: "GuidedDecodingParams") -> None:
+        """Raise ``ValueError`` naming the field (``guided_decoding.regex: ...``) when the
+        constraint is malformed or unsupported. A quick syntax check, before the request is
+        queued; anything it misses fails the request when it compiles."""
+
+    @abstractmethod
+    def compile(self, params: "GuidedDecodingParams") -> CompiledGrammar:
+        """Compile a constraint (runs in a worker thread). Raise ``ValueError`` with a clear
+        message when it cannot be compiled."""
+
+    def fill_bitmasks(self, grammars: Sequence[StructuredOutputGrammar], bitmask: torch.Tensor) -> None:
+        """Fill row ``i`` of ``bitmask`` from ``grammars[i]``; override to batch (threads)."""
+        for row, grammar in enumerate(grammars):
+            grammar.fill_bitmask(bitmask, row)
+
+    def shutdown(self) -> None:
+        """Release threads or other resources."""

@@ -1,0 +1,347 @@
+"""The fused-op kernels (RMSNorm + residual, rotary, SiLU-and-mul) give their torch references'
+results: bit for bit in bf16/fp16 and where float32 math allows, within 2 ulp elsewhere.
+
+Without CUDA the kernels run on the CPU under Triton's interpreter, set up for this module
+only before the kernel modules are first imported; shapes stay small because it is slow. The
+``gpu`` tests repeat the checks at model sizes on CUDA, through the ops' default dispatch.
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+pytest.importorskip("triton")
+
+from pagelm import ops  # noqa: E402
+from pagelm.attention import AttentionImpl, ForwardContext, attention_layers, forward_context  # noqa: E402
+from pagelm.models import Qwen3ForCausalLM  # noqa: E402
+from pagelm.ops import reference  # noqa: E402
+from pagelm.testing.triton_interpreter import interpret_triton  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+KERNEL_MODULES = ("triton_rms_norm", "triton_rotary", "triton_activation")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_interpreter():
+    """On CPU: TRITON_INTERPRET=1 while this module runs, with the kernels decorated under it."""
+    if ON_GPU:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        interpret_triton(mp)
+        for name in KERNEL_MODULES:
+            module = importlib.import_module(f"pagelm.ops.{name}")
+            assert module.INTERPRETED, f"pagelm.ops.{name} was imported before TRITON_INTERPRET was set"
+        yield
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable values of their (shared) dtype lie between ``a`` and ``b``."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    int_dtype = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]
+
+    def ordered(x):  # float bits -> integers in the floats' order (+0 and -0 both 0)
+        bits = x.view(int_dtype).long()
+        return torch.where(bits < 0, torch.iinfo(int_dtype).min - bits, bits)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, max_ulp: int = 0) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    worst = ulp_distance(actual, expected).max().item()
+    assert worst <= max_ulp, f"{worst} ulp apart (allowed {max_ulp})"
+
+
+def randn(*shape, dtype=torch.float32, seed=0, scale=1.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator) * scale).to(DEVICE, dtype)
+
+
+
+
+def assert_norm_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Exact in bf16/fp16 on the CPU. Elsewhere the float32 mean square sums in another order
+    than torch's (and rsqrt is approximate on CUDA): a row's scale may differ in its last
+    bits, so a normalised value may round one ulp apart, which the weight then scales."""
+    if actual.dtype != torch.float32 and not ON_GPU:
+        assert_matches(actual, expected)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=4 * torch.finfo(actual.dtype).eps, atol=0)
+
+
+def assert_silu_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Exact on CUDA, where the kernel's exp and division are torch's. On the CPU torch's
+    vectorised silu is not the interpreter's numpy exp (float32 results differ by a few ulp),
+    and a silu that lands on a bf16/fp16 rounding midpoint may round the other way, which
+    ``up`` then scales; so there, within four of the dtype's epsilons."""
+    if ON_GPU:
+        assert_matches(actual, expected)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=4 * torch.finfo(actual.dtype).eps, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_without_residual_matches_reference_and_returns_the_input(dtype):
+    x, weight = randn(7, 96, dtype=dtype), randn(96, dtype=dtype, seed=1)
+    out, residual = ops.rms_norm(x, weight, 1e-6, use_triton=True)
+    expected, _ = reference.rms_norm(x, weight, 1e-6)
+    assert_norm_matches(out, expected)
+    assert residual is x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_adds_the_residual_and_returns_the_sum_as_next_residual(dtype):
+    x, residual = randn(5, 80, dtype=dtype), randn(5, 80, dtype=dtype, seed=2, scale=4.0)
+    weight = randn(80, dtype=dtype, seed=1)
+    x_before, residual_before = x.clone(), residual.clone()
+    out, next_residual = ops.rms_norm(x, weight, 1e-5, residual, use_triton=True)
+    expected, expected_residual = reference.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(next_residual, expected_residual)
+    assert_norm_matches(out, expected)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_per_head_of_a_fused_qkv_view(dtype):
+    """Qwen3's q_norm: [T, heads, head_dim] view of qkv's q columns, rows not evenly spaced."""
+    num_tokens, heads, head_dim = 3, 4, 32
+    qkv = randn(num_tokens, (heads + 2 + 2) * head_dim, dtype=dtype)
+    q_heads = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    weight = randn(head_dim, dtype=dtype, seed=1)
+    out, _ = ops.rms_norm(q_heads, weight, 1e-6, use_triton=True)
+    expected, _ = reference.rms_norm(q_heads, weight, 1e-6)
+    assert_norm_matches(out, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary embedding
+# ---------------------------------------------------------------------------------------------
+
+
+def cos_sin_cache(max_position: int, rotary_dim: int) -> torch.Tensor:
+    """What RotaryEmbedding builds: [max_position, rotary_dim] float32, cos then sin."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEVICE)
+
+
+def fused_qkv(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed=0, pad=8):
+    """q, k, v column views of one [T, (H + 2 KV) * D + pad] tensor: rows wider than q or k."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = randn(num_tokens, q_size + 2 * kv_size + pad, dtype=dtype, seed=seed, scale=2.0)
+    q, k, v = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size :]
+    return qkv, q, k, v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (128, 128), (64, 32), (128, 64)])
+def test_rotary_rotates_q_and_k_in_place_like_the_reference(dtype, head_dim, rotary_dim):
+    num_heads, num_kv_heads, max_position = 4, 2, 64
+    qkv, q, k, v = fused_qkv(5, num_heads, num_kv_heads, head_dim, dtype)
+    before = qkv.clone()
+    positions = torch.tensor([0, 63, 7, 7, 30], device=DEVICE)
+    cache = cos_sin_cache(max_position, rotary_dim)
+    expected_q, expected_k = reference.rotary_embedding(positions, q, k, cache, head_dim, rotary_dim)
+
+    out_q, out_k = ops.rotary_embedding(positions, q, k, cache, head_dim, rotary_dim, use_triton=True)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    assert_matches(out_q, expected_q)
+    assert_matches(out_k, expected_k)
+    v_and_pad = slice((num_heads + num_kv_heads) * head_dim, None)
+    assert torch.equal(qkv[:, v_and_pad], before[:, v_and_pad])
+
+
+def test_rotary_leaves_dims_past_rotary_dim_untouched():
+    head_dim, rotary_dim = 64, 16
+    qkv, q, k, _ = fused_qkv(2, 2, 1, head_dim, torch.float32)
+    before = qkv.clone()
+    ops.rotary_embedding(torch.tensor([3, 5], device=DEVICE), q, k, cos_sin_cache(8, rotary_dim), head_dim,
+                         rotary_dim, use_triton=True)
+    after, before = (t[:, : 3 * head_dim].view(2, 3, head_dim) for t in (qkv, before))
+    assert torch.equal(after[..., rotary_dim:], before[..., rotary_dim:])
+    assert not torch.equal(after[..., :rotary_dim], before[..., :rotary_dim])
+
+
+def test_rotary_at_position_zero_is_identity():
+    qkv, q, k, _ = fused_qkv(3, 2, 2, 64, torch.float32)
+    before = qkv.clone()
+    ops.rotary_embedding(torch.zeros(3, dtype=torch.long, device=DEVICE), q, k, cos_sin_cache(4, 64), 64, 64,
+                         use_triton=True)
+    assert torch.equal(qkv, before)
+
+
+# ---------------------------------------------------------------------------------------------
+# SiLU and mul
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("intermediate_size", [96, 1500])  # one block of a row; two, the last partial
+def test_silu_and_mul_matches_reference(dtype, intermediate_size):
+    x = randn(3, 2 * intermediate_size, dtype=dtype, scale=4.0)
+    out = ops.silu_and_mul(x, use_triton=True)
+    assert out.shape == (3, intermediate_size)
+    assert_silu_matches(out, reference.silu_and_mul(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch and the models
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cpu_tensors_take_the_reference_by_default():
+    assert not ops.fused_ops_enabled(torch.zeros(1))
+
+
+@pytest.mark.parametrize("value, disabled", [("1", True), ("0", False)])
+def test_env_var_disables_the_fused_kernels(value, disabled):
+    code = "import pagelm.ops as ops; print(ops.FUSED_OPS_DISABLED)"
+    env = {**os.environ, "PAGELM_DISABLE_FUSED_OPS": value}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == str(disabled)
+
+
+class CausalSDPA(AttentionImpl):
+    """Causal attention over the step's own tokens: the same in both runs being compared."""
+
+    def forward(self, query, key, value, kv_cache, metadata):
+        spec, num_tokens = self.spec, query.shape[0]
+        q, k, v = (
+            t.reshape(num_tokens, -1, spec.head_dim).transpose(0, 1) for t in (query, key, value)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scale, enable_gqa=True)
+        return out.transpose(0, 1).reshape(num_tokens, spec.num_heads * spec.head_dim)
+
+
+def tiny_qwen3() -> Qwen3ForCausalLM:
+    config = transformers.Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=128, max_position_embeddings=64,
+    )
+    model = Qwen3ForCausalLM(config).to(DEVICE)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            values = torch.rand(param.shape, generator=generator) + 0.5 if "norm" in name else \
+                torch.randn(param.shape, generator=generator) * 0.2
+            param.copy_(values)
+    for layer in attention_layers(model):
+        layer.impl = CausalSDPA(layer.spec)
+        layer.kv_cache = torch.empty(0)
+    return model
+
+
+@torch.no_grad()
+def test_qwen3_forward_with_the_kernels_matches_the_reference_path(monkeypatch):
+    """Every norm (per-head q/k norms included), the rotary and the MLP activation of a model
+    running through the kernels, against the same model on the torch references."""
+    model = tiny_qwen3()
+    input_ids = torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    positions = torch.arange(12, device=DEVICE)
+
+    def logits(fused: bool) -> torch.Tensor:
+        with monkeypatch.context() as mp:
+            mp.setattr(ops, "fused_ops_enabled", lambda x: fused)
+            with forward_context(ForwardContext(attn_metadata=None)):
+                return model.compute_logits(model(input_ids, positions))
+
+    torch.testing.assert_close(logits(True), logits(False), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA, at model sizes, through the default dispatch
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_take_the_kernels_by_default():
+    assert ops.fused_ops_enabled(torch.zeros(1, device="cuda")) != ops.FUSED_OPS_DISABLED
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden_size", [4096, 5120])
+def test_gpu_rms_norm_matches_reference(dtype, hidden_size):
+    x = randn(257, hidden_size, dtype=dtype)
+    residual = randn(257, hidden_size, dtype=dtype, seed=2, scale=4.0)
+    weight = randn(hidden_size, dtype=dtype, seed=1)
+    out, next_residual = ops.rms_norm(x, weight, 1e-6, residual, use_triton=True)
+    expected, expected_residual = reference.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(next_residual, expected_residual)
+    assert_norm_matches(out, expected)
+
+    q_heads = randn(257, 40, 3 * 128, dtype=dtype)[..., :128]  # Qwen3's per-head norm on strided rows
+    out, _ = ops.rms_norm(q_heads, weight[:128], 1e-6, use_triton=True)
+    assert_norm_matches(out, reference.rms_norm(q_heads, weight[:128], 1e-6)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (128, 128), (128, 64), (256, 256)])
+def test_gpu_rotary_matches_reference_exactly(dtype, head_dim, rotary_dim):
+    qkv, q, k, _ = fused_qkv(333, 32, 8, head_dim, dtype)
+    positions = torch.randint(0, 8192, (333,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    cache = cos_sin_cache(8192, rotary_dim)
+    expected_q, expected_k = reference.rotary_embedding(positions, q, k, cache, head_dim, rotary_dim)
+    out_q, out_k = ops.rotary_embedding(positions, q, k, cache, head_dim, rotary_dim, use_triton=True)
+    assert_matches(out_q, expected_q)
+    assert_matches(out_k, expected_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_silu_and_mul_matches_reference_exactly(dtype):
+    x = randn(257, 2 * 11008, dtype=dtype, scale=4.0)
+    assert_matches(ops.silu_and_mul(x, use_triton=True), reference.silu_and_mul(x))
+
+
+@pytest.mark.gpu
+def test_gpu_ops_replay_in_a_cuda_graph():
+    """Captured once, replayed on new inputs written into the same buffers."""
+    hidden, head_dim = 1024, 128
+    x, residual = randn(16, hidden, dtype=torch.bfloat16), randn(16, hidden, dtype=torch.bfloat16, seed=1)
+    weight = randn(hidden, dtype=torch.bfloat16, seed=2)
+    qkv, q, k, _ = fused_qkv(16, 8, 2, head_dim, torch.bfloat16)
+    positions = torch.arange(16, device=DEVICE)
+    cache = cos_sin_cache(64, head_dim)
+    gate_up = randn(16, 2 * 512, dtype=torch.bfloat16)
+
+    def step():
+        normed, next_residual = ops.rms_norm(x, weight, 1e-6, residual)
+        ops.rotary_embedding(positions, q, k, cache, head_dim, head_dim)
+        return normed, next_residual, ops.silu_and_mul(gate_up)
+
+    step()  # compile the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+
+    x.copy_(randn(16, hidden, dtype=torch.bfloat16, seed=5))
+    positions.copy_(torch.arange(16, 32, device=DEVICE))
+    qkv.copy_(randn(*qkv.shape, dtype=torch.bfloat16, seed=6))
+    gate_up.copy_(randn(16, 2 * 512, dtype=torch.bfloat16, seed=7))
+    expected_norm, expected_residual = reference.rms_norm(x, weight, 1e-6, residual)
+    expected_q, expected_k = reference.rotary_embedding(positions, q, k, cache, head_dim, head_dim)
+    expected_act = reference.silu_and_mul(gate_up)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_norm_matches(outputs[0], expected_norm)
+    assert torch.equal(outputs[1], expected_residual)
+    assert_matches(q, expected_q)
+    assert_matches(k, expected_k)
+    assert torch.equal(outputs[2], expected_act)
