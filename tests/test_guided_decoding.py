@@ -373,6 +373,19 @@ def test_hook_pagelm_register_structured_output_backends(scripted):
     assert out.outputs[0].finish_reason == "stop"
 
 
+def test_a_token_the_grammar_rejects_fails_the_request_with_an_error(scripted, monkeypatch):
+    def lying_fill(self, bitmask, row):  # a backend bug: allows 10 where the script wants 7
+        bitmask[row] = 0
+        bitmask[row, 0] = 1 << 10
+
+    monkeypatch.setattr(ScriptedGrammar, "fill_bitmask", lying_fill)
+    ScriptedBackend.release.set()
+    params = SamplingParams(max_tokens=10, guided_decoding=GuidedDecodingParams(grammar="7 8 9"))
+    out = scripted.generate([PROMPT], params, use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "error"
+    assert "sampled token(s) [10] are not allowed by the grammar" in out.error
+
+
 def test_a_compiling_request_waits_without_blocking_the_others(scripted):
     engine = scripted.engine
     scheduler = engine.core.scheduler

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 
 # Benchmark modules under pagelm.bench, in the order `pagelm bench --help` lists them.
-BENCHMARKS = ["latency", "throughput", "serve"]
+BENCHMARKS = ["latency", "throughput", "serve", "structured"]
 
 
 def add_parser(sub) -> None:

@@ -103,9 +103,10 @@ class RequestState:
             self.metrics.first_scheduled_time = out.first_scheduled_time
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._to_dicts(out.new_prompt_logprobs))
+        self.error = self.error or out.error  # finish reason "error": e.g. its grammar did not compile
         if not out.new_token_ids:
-            if out.error is not None:  # failed before producing output (e.g. a grammar error)
-                self.finish_reason, self.error = out.finish_reason, out.error
+            if out.error is not None:  # failed before producing output
+                self.finish_reason = out.finish_reason
                 self.metrics.finished_time = now
             return None
         if self.metrics.first_token_time is None:

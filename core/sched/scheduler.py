@@ -267,12 +267,14 @@ class Scheduler:
         return outputs, finished
 
     def _advance_grammar(self, req: Request, new_ids: list[int]) -> None:
-        """Move the grammar over the sampled tokens; a complete grammar ends the request."""
-        if not req.grammar.accept_tokens(new_ids):  # the bitmask should have made this impossible
+        """Hand the sampled tokens to the grammar (it takes them while the next forward pass
+        runs). A grammar allows EOS only where it is complete: sampling EOS ends the request."""
+        if req.error is not None:  # its grammar rejected the previous tokens
             req.status = RequestStatus.FINISHED_ERROR
-            req.error = f"guided_decoding: sampled token(s) {new_ids} are not allowed by the grammar"
-        elif req.grammar.is_terminated():
+        elif new_ids[-1] in req.eos_token_ids:
             req.status = RequestStatus.FINISHED_STOPPED
+        elif not req.is_finished:
+            self.structured_output.accept_tokens(req, new_ids)
 
     def _check_stop(self, req: Request) -> None:
         token = req.output_token_ids[-1]

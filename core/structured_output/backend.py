@@ -6,9 +6,12 @@ samples::
     backend.compile(params) -> CompiledGrammar --new_grammar()--> StructuredOutputGrammar
        (worker thread, cached)                                     (one per request)
 
-    each step:  grammar.fill_bitmask(bitmask, row)    runner: allowed tokens of the next sample
-                grammar.accept_tokens([token])        scheduler: after the token is sampled
-                grammar.is_terminated()               scheduler: the structure is complete
+    each step, on the CPU while the GPU runs the forward pass (``grammar_bitmask``):
+                grammar.accept_tokens(last_sampled)    the token(s) sampled in the previous step
+                grammar.fill_bitmask(bitmask, row)     the tokens allowed in this one
+
+A backend gets the engine's EOS ids as its stop tokens and must allow them exactly where the
+grammar is complete: the scheduler ends a guided request when it samples one (reason "stop").
 
 The bitmask is xgrammar's layout: ``int32 [rows, ceil(vocab_size / 32)]``, bit ``j % 32`` of
 word ``j // 32`` set when token ``j`` is allowed.
@@ -49,7 +52,8 @@ class StructuredOutputGrammar(ABC):
 
     @abstractmethod
     def is_terminated(self) -> bool:
-        """True once the grammar is complete and its stop token (EOS) has been accepted."""
+        """True once the grammar is complete and its stop token (EOS) has been accepted (for
+        draft checks: the step loop itself ends a request on the EOS it samples)."""
 
     def validate_tokens(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of ``token_ids`` the grammar accepts, state unchanged

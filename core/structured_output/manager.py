@@ -6,6 +6,11 @@ them, and fills the batch's allowed-token bitmask for the runner.
                                                        request is WAITING_FOR_GRAMMAR
     Scheduler.schedule    ── poll() ──────────► (compiled: admit, failed or timed out: finish)
     ModelRunner           ── grammar_bitmask(req_ids) ──► int32 CPU [n, ceil(vocab / 32)]
+    Scheduler.update_from_output ── accept_tokens(request, sampled)
+
+Sampled tokens reach a grammar in the next ``grammar_bitmask``, which the runner calls after
+queuing the forward pass: advancing the matchers and filling the bitmask both happen on the
+CPU while the GPU computes, never between two steps.
 
 Compiled grammars are cached by (kind, canonical spec), bounded by their total
 ``memory_size_bytes``, least recently used evicted first. Requests asking for a constraint
@@ -101,6 +106,8 @@ class StructuredOutputManager:
         # Guided requests in the engine (waiting for their grammar or running), by id.
         self.requests: dict[str, Request] = {}
         self._compiling: dict[GrammarKey, _Compile] = {}
+        # Sampled tokens not yet applied to their request's grammar (see accept_tokens).
+        self._unapplied: dict[str, list[int]] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._backend: StructuredOutputBackend | None = None
         self._backend_error: Exception | None = None
@@ -127,35 +134,39 @@ class StructuredOutputManager:
 
     def poll(self) -> tuple[list["Request"], list["Request"]]:
         """Requests whose grammar is ready (``request.grammar`` set) and requests that failed
-        (``request.error`` set) since the last call."""
+        (``request.error`` set) since the last call. A compile counts as timed out for a
+        request if it finished after that request's deadline, however late this is called."""
         ready: list[Request] = []
         failed: list[Request] = []
         now = time.monotonic()
         for key, job in list(self._compiling.items()):
+            compiled = message = None
+            finished_at = now
             if job.future.done():
                 del self._compiling[key]
-                error = job.future.exception()
-                if error is None:
-                    compiled = job.future.result()
-                    self.cache.put(key, compiled)
-                    for request, _ in job.waiting:
-                        request.grammar = compiled.new_grammar()
-                        ready.append(request)
+                try:
+                    compiled, finished_at = job.future.result()
+                except Exception as exc:
+                    message = _error_message(exc)
                 else:
-                    message = _error_message(error)
-                    for request, _ in job.waiting:
-                        request.error = message
-                        failed.append(request)
-            else:
-                expired = [r for r, deadline in job.waiting if deadline <= now]
-                if expired:
-                    job.waiting = [(r, d) for r, d in job.waiting if d > now]
-                for request in expired:
+                    self.cache.put(key, compiled)
+            still_waiting = []
+            for request, deadline in job.waiting:
+                if message is not None:
+                    request.error = message
+                    failed.append(request)
+                elif deadline < finished_at:
                     request.error = (
                         f"guided_decoding: compiling the {key[0]} constraint took longer than "
                         f"structured_output_compile_timeout={self.timeout:g} s (too complex?)"
                     )
                     failed.append(request)
+                elif compiled is not None:
+                    request.grammar = compiled.new_grammar()
+                    ready.append(request)
+                else:
+                    still_waiting.append((request, deadline))
+            job.waiting = still_waiting
         for request in failed:
             self.requests.pop(request.request_id, None)
         return ready, failed
@@ -180,8 +191,14 @@ class StructuredOutputManager:
     def num_waiting_for_grammar(self) -> int:
         return sum(len(job.waiting) for job in self._compiling.values())
 
+    def accept_tokens(self, request: "Request", token_ids: list[int]) -> None:
+        """Tokens ``request`` sampled; its grammar takes them in the next ``grammar_bitmask``
+        (a rejected token, which the bitmask rules out, sets ``request.error``)."""
+        self._unapplied.setdefault(request.request_id, []).extend(token_ids)
+
     def release(self, request: "Request") -> None:
         """``request`` left the engine (finished, aborted, or failed)."""
+        self._unapplied.pop(request.request_id, None)
         if self.requests.pop(request.request_id, None) is None:
             return
         params = request.sampling_params.guided_decoding
@@ -200,7 +217,13 @@ class StructuredOutputManager:
                 (rows, cdiv(self.vocab_size, 32)), dtype=torch.int32, pin_memory=self.pin_memory
             )
         bitmask = self._bitmask[:n]
-        grammars = [self.requests[r].grammar for r in request_ids]
+        grammars = []
+        for req_id in request_ids:
+            request = self.requests[req_id]
+            tokens = self._unapplied.pop(req_id, None)
+            if tokens and not request.grammar.accept_tokens(tokens):
+                request.error = f"guided_decoding: sampled token(s) {tokens} are not allowed by the grammar"
+            grammars.append(request.grammar)
         self._get_backend().fill_bitmasks(grammars, bitmask)
         return bitmask
 
@@ -210,11 +233,13 @@ class StructuredOutputManager:
             self._executor = concurrent.futures.ThreadPoolExecutor(_COMPILE_WORKERS, thread_name_prefix="pagelm-grammar")
         return self._executor
 
-    def _compile(self, params: "GuidedDecodingParams") -> CompiledGrammar:
-        start = time.perf_counter()
+    def _compile(self, params: "GuidedDecodingParams") -> tuple[CompiledGrammar, float]:
+        """The compiled grammar, and when it was done (``time.monotonic``)."""
+        start = time.monotonic()
         compiled = self._get_backend().compile(params)
-        logger.debug("compiled a %s grammar in %.1f ms", params.kind, (time.perf_counter() - start) * 1e3)
-        return compiled
+        done = time.monotonic()
+        logger.debug("compiled a %s grammar in %.1f ms", params.kind, (done - start) * 1e3)
+        return compiled, done
 
     def _get_backend(self) -> StructuredOutputBackend:
         """The backend instance, built on first use (loads the tokenizer: worker thread)."""

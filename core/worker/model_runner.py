@@ -253,8 +253,10 @@ class ModelRunner:
         bitmask = self.structured_output.grammar_bitmask(constrained)
         if bitmask is None:
             return
-        index = {r: i for i, r in enumerate(req_ids)}
-        rows = torch.tensor([index[r] for r in constrained], dtype=torch.long).to(self.device, non_blocking=True)
+        rows = None  # every request constrained: bitmask row i is logits row i
+        if constrained != req_ids:
+            index = {r: i for i, r in enumerate(req_ids)}
+            rows = torch.tensor([index[r] for r in constrained], dtype=torch.long).to(self.device, non_blocking=True)
         apply_token_bitmask(logits, bitmask, rows=rows)
 
     def _prepare_inputs(self, states, starts, counts, allow_graph: bool = True) -> StepInputs:

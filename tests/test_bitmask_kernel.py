@@ -1,0 +1,50 @@
+"""The Triton bitmask kernel (guided decoding's logits mask on CUDA) masks exactly what the torch
+reference masks: selected rows only, padded vocab columns never allowed, any float dtype.
+Without CUDA it runs under Triton's CPU interpreter, set up for this module only."""
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pagelm.sample.bitmask import apply_token_bitmask_torch  # noqa: E402
+from pagelm.testing.triton_interpreter import interpret_triton  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if ON_GPU:
+        yield importlib.import_module("pagelm.sample.triton_bitmask").apply_token_bitmask_triton
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        interpret_triton(mp)
+        mp.delitem(sys.modules, "pagelm.sample.triton_bitmask", raising=False)
+        module = importlib.import_module("pagelm.sample.triton_bitmask")
+        assert module.INTERPRETED
+        yield module.apply_token_bitmask_triton
+    sys.modules.pop("pagelm.sample.triton_bitmask", None)  # never leave an interpreted build behind
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_kernel_masks_what_the_torch_reference_masks(kernel, dtype, with_rows):
+    gen = torch.Generator().manual_seed(0)
+    vocab, padded = 300, 352  # the logits are wider than the bitmask's 10 words (320 columns)
+    logits = torch.randn(5, padded, generator=gen).to(DEVICE, dtype)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, (vocab + 31) // 32), generator=gen, dtype=torch.int32)
+    bitmask[1] = -1  # a row that allows the whole vocab
+    rows = torch.tensor([4, 0, 2], device=DEVICE) if with_rows else None
+    expected = logits.clone()
+    apply_token_bitmask_torch(expected, bitmask.to(DEVICE), rows)
+    kernel(logits, bitmask.to(DEVICE), rows)
+    assert torch.equal(logits, expected)
+    masked = [4, 0, 2] if with_rows else [0, 1, 2]
+    assert torch.isinf(logits[masked[1], 320:]).all()  # padded columns: never allowed
+    untouched = [r for r in range(5) if r not in masked]
+    assert not torch.isinf(logits[untouched]).any()
