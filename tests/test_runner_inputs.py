@@ -42,3 +42,21 @@ def test_block_table_rows_return_when_requests_finish(llama_dir):
     llm.engine.core.step()
     assert sorted(runner._free_rows) == [0, 1, 2, 3]
     assert runner.requests == {}
+
+
+def test_graph_inputs_are_derived_from_token_seq_len_and_block_row():
+    """The decode graph's in-graph prologue, run eagerly on CPU: positions, slots and
+    attention seq_lens follow from (token, seq_len, block row); padding stores nothing."""
+    from pagelm.worker.cuda_graphs import CudaGraphRunner
+
+    buffers = InputBuffers(max_num_tokens=16, max_num_reqs=4, max_blocks_per_req=8, device=torch.device("cpu"))
+    graphs = CudaGraphRunner(model=None, buffers=buffers, builder=None, sizes=[1, 2, 4], max_seq_len=128, block_size=4)
+    block_rows = np.array([[7, 3, 9], [5, 0, 0]], dtype=np.int32)
+    graphs.load([11, 22], np.array([10, 2]), block_rows, size=4)
+    graphs._derive_inputs(4)
+    assert graphs.input_ids[:4].tolist() == [11, 22, 0, 0]
+    assert graphs.positions[:4].tolist() == [9, 1, 0, 0]
+    # position 9 -> block index 2 (id 9), offset 1; position 1 -> block 5, offset 1
+    assert graphs.slot_mapping[:4].tolist() == [9 * 4 + 1, 5 * 4 + 1, -1, -1]
+    assert graphs.seq_lens[:4].tolist() == [10, 2, 1, 1]
+    assert buffers.block_table[:2, :3].tolist() == block_rows.tolist()

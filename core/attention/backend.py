@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -55,10 +56,24 @@ class CommonAttentionMetadata:
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
     block_size: int
+    # Host copy of the block table's rows, as many columns as the longest request uses (None:
+    # not provided, e.g. at graph capture; read ``block_table`` then, which syncs).
+    block_table_cpu: torch.Tensor | None = None
+    # Leading blocks that every request of the step shares and had cached before it (so all
+    # of this step's query tokens come after them): what cascade attention reads once for the
+    # whole batch. The runner sets it only for >= 2 requests sharing at least
+    # ``EngineConfig.cascade_attention_min_blocks`` blocks, so 0 means "no cascade".
+    num_common_prefix_blocks: int = 0
 
 
 class AttentionMetadataBuilder(ABC):
     """Built once per engine; ``build`` runs once per step, never per layer."""
+
+    def bind_layers(self, specs: Sequence[AttentionSpec], dtype: torch.dtype) -> None:
+        """The model's attention layers (one spec per layer, in order) and the KV cache dtype,
+        given by the runner whenever it allocates the KV cache, before any ``build`` or graph
+        capture. For builders that plan kernels per layer shape (FlashInfer's ``plan``) and
+        allocate workspaces once. Default: nothing."""
 
     @abstractmethod
     def build(self, common: CommonAttentionMetadata) -> Any:
@@ -72,6 +87,16 @@ class AttentionMetadataBuilder(ABC):
         every replay. Padding rows have ``seq_len`` 1 and slot -1 (nothing stored).
         Only backends with ``cuda_graph_safe = True`` are asked."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_cudagraph_replay(self, common: CommonAttentionMetadata, num_reqs: int) -> bool:
+        """Called before every replay of a captured graph, outside it. ``common`` describes
+        the padded batch about to replay (``common.num_reqs`` = the captured size; rows from
+        ``num_reqs`` on are padding, ``seq_len`` 1) with this step's host copies
+        (``seq_lens_cpu``, and ``block_table_cpu`` for the ``num_reqs`` real rows). A backend
+        whose kernels read per-step host work from buffers of its own (FlashInfer's ``plan``)
+        refreshes them here. Return False to run the step eagerly through ``build`` instead
+        (e.g. a batch that wants a kernel the graph did not capture). Default: replay."""
+        return True
 
 
 class AttentionImpl(ABC):

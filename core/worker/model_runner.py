@@ -38,6 +38,7 @@ from pagelm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagelm.worker.input_buffers import InputBuffers
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
 from pagelm.worker.sampling_inputs import build_sampling_metadata
+from pagelm.worker.spec_decode import SpecDecodeRunner
 
 logger = logging.getLogger("pagelm")
 
@@ -59,8 +60,8 @@ class StepInputs:
     num_reqs: int
     num_tokens: int
     common: CommonAttentionMetadata
-    input_ids: torch.Tensor
-    positions: torch.Tensor
+    input_ids: torch.Tensor | None  # None: a graph replay reads its own staging
+    positions: torch.Tensor | None
     uniform_decode: bool  # one token per request: hidden row i is request i's last token
     graph_size: int | None = None  # replay the CUDA graph of this (padded) batch size
 
@@ -100,20 +101,33 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         # Set by the engine when guided decoding is available: grammar_bitmask(req_ids).
         self.structured_output = None
+        # Speculative decoding (enable_speculative_decoding): verification and proposals.
+        self.spec: SpecDecodeRunner | None = None
+
+    def enable_speculative_decoding(self, proposer) -> None:
+        """Verify drafts and ask ``proposer`` for new ones every step. Before the KV cache is
+        allocated: a draft model's attention layers get caches too."""
+        self.spec = SpecDecodeRunner(proposer, self.max_num_reqs, self.max_model_len)
+
+    def _kv_layers(self) -> list:
+        """Every paged attention layer: the model's, then the proposer's (a draft model)."""
+        extra = self.spec.proposer.attention_layers() if self.spec is not None else []
+        return attention_layers(self.model) + list(extra)
 
     # ---- start-up ------------------------------------------------------------------------
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every layer's paged cache and bind the backend's implementation to it."""
         self.kv_caches = []
-        for idx, layer in enumerate(attention_layers(self.model)):
+        for idx, layer in enumerate(self._kv_layers()):
             spec = layer.spec
             shape = self.backend.get_kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.layer_idx, layer.impl, layer.kv_cache = idx, self.backend.make_impl(spec), cache
             self.kv_caches.append(cache)
+        self.metadata_builder.bind_layers([layer.spec for layer in self._kv_layers()], self.dtype)
 
     def _release_kv_cache(self) -> None:
-        for layer in attention_layers(self.model):
+        for layer in self._kv_layers():
             layer.kv_cache = None
         self.kv_caches = []
 
@@ -211,6 +225,11 @@ class ModelRunner:
         starts = [num_computed[r] for r in req_ids]
         counts = [sched.num_scheduled_tokens[r] for r in req_ids]
 
+        spec_tokens = sched.scheduled_spec_decode_tokens
+        if spec_tokens:  # some requests verify drafts: see pagelm.worker.spec_decode
+            drafts = [spec_tokens.get(r, ()) for r in req_ids]
+            step = self._prepare_inputs(states, starts, counts, drafts=drafts)
+            return self.spec.execute(self, sched, req_ids, states, starts, counts, drafts, step)
         step = self._prepare_inputs(states, starts, counts)
         # Built while the GPU runs the forward pass queued by _logits.
         md = build_sampling_metadata(states, self.eos_token_ids, self.vocab_size, self.device)
@@ -231,36 +250,48 @@ class ModelRunner:
                 out_ids.append([token])
             else:  # a prefill chunk that stops short: nothing to sample yet
                 out_ids.append([])
-        return ModelRunnerOutput(req_ids, out_ids, logprobs, prompt_logprobs)
+        out = ModelRunnerOutput(req_ids, out_ids, logprobs, prompt_logprobs)
+        if self.spec is not None:
+            out.draft_token_ids = self.spec.propose(self, step, hidden, states, starts, counts, None, out_ids)
+        return out
 
-    def _logits(self, step: StepInputs, return_hidden: bool = False):
-        """Queue the forward pass and the LM head over each request's last token."""
+    def _logits(self, step: StepInputs, return_hidden: bool = False, logits_indices: torch.Tensor | None = None):
+        """Queue the forward pass and the LM head over each request's last token (or over
+        the hidden rows ``logits_indices``: drafts and the positions verifying them)."""
         n = step.num_reqs
         if step.graph_size is not None:
-            hidden = self.cuda_graphs.replay(step.graph_size)[:n]
+            hidden, logits = self.cuda_graphs.replay(step.graph_size)
+            return (logits[:n], hidden[:n]) if return_hidden else logits[:n]
         else:
             attn_metadata = self.metadata_builder.build(step.common)
             with forward_context(ForwardContext(attn_metadata=attn_metadata)):
                 hidden = self.model(step.input_ids, step.positions)
-        if step.uniform_decode:
+        if logits_indices is not None:
+            last_hidden = hidden[logits_indices]
+        elif step.uniform_decode:
             last_hidden = hidden[:n]
         else:
             last_hidden = hidden[step.common.query_start_loc[1:].long() - 1]
         logits = self.model.compute_logits(last_hidden)
         return (logits, hidden) if return_hidden else logits
 
-    def _apply_grammar(self, logits: torch.Tensor, constrained: list[str], req_ids: list[str]) -> None:
+    def _apply_grammar(
+        self, logits: torch.Tensor, constrained: list[str], req_ids: list[str], rows_of: list[int] | None = None
+    ) -> None:
+        """``rows_of[i]``: the logits row of ``req_ids[i]`` (default ``i``; differs when
+        drafts add rows)."""
         bitmask = self.structured_output.grammar_bitmask(constrained)
         if bitmask is None:
             return
         rows = None  # every request constrained: bitmask row i is logits row i
-        if constrained != req_ids:
-            index = {r: i for i, r in enumerate(req_ids)}
+        if constrained != req_ids or rows_of is not None:
+            index = {r: (i if rows_of is None else rows_of[i]) for i, r in enumerate(req_ids)}
             rows = torch.tensor([index[r] for r in constrained], dtype=torch.long).to(self.device, non_blocking=True)
         apply_token_bitmask(logits, bitmask, rows=rows)
 
-    def _prepare_inputs(self, states, starts, counts, allow_graph: bool = True) -> StepInputs:
-        """Write the flattened batch into the persistent buffers (see ``InputBuffers``)."""
+    def _prepare_inputs(self, states, starts, counts, allow_graph: bool = True, drafts=None) -> StepInputs:
+        """Write the flattened batch into the persistent buffers (see ``InputBuffers``).
+        ``drafts[i]``: draft tokens that follow request ``i``'s known tokens (speculative)."""
         b, bs = self.buffers, self.block_size
         num_reqs = len(states)
         num_tokens = sum(counts)
@@ -268,6 +299,12 @@ class ModelRunner:
         uniform_decode = num_tokens == num_reqs
         counts_np = np.asarray(counts, dtype=np.int64)
         starts_np = np.asarray(starts, dtype=np.int64)
+
+        if allow_graph and uniform_decode and self.cuda_graphs is not None:
+            graph_size = self.cuda_graphs.padded_size(num_reqs)
+            step = self._prepare_graph_inputs(states, starts_np, graph_size) if graph_size is not None else None
+            if step is not None:  # None: the backend wants this batch eager (e.g. cascade)
+                return step
 
         qsl = b.query_start_loc.np
         if uniform_decode:
@@ -289,30 +326,25 @@ class ModelRunner:
                 qsl[:num_reqs].astype(np.int64) - starts_np, counts_np
             )
             block_rows = rows[req_index]
+            pieces = (s.token_ids[c : c + n] for s, c, n in zip(states, starts, counts))
+            if drafts is not None:  # a request's slice ends at its known tokens; drafts follow
+                pieces = (itertools.chain(p, d) for p, d in zip(pieces, drafts))
             b.input_ids.np[:num_tokens] = np.fromiter(
-                itertools.chain.from_iterable(s.token_ids[c : c + n] for s, c, n in zip(states, starts, counts)),
-                dtype=np.int64, count=num_tokens,
+                itertools.chain.from_iterable(pieces), dtype=np.int64, count=num_tokens
             )
         b.positions.np[:num_tokens] = positions
         b.slot_mapping.np[:num_tokens] = (
             self.block_table_cpu[block_rows, positions // bs].astype(np.int64) * bs + positions % bs
         )
         max_cols = cdiv(max_seq_len, bs)
-        block_table = b.upload_block_table(self.block_table_cpu[rows, :max_cols])
+        table_rows = self.block_table_cpu[rows, :max_cols]
+        block_table = b.upload_block_table(table_rows)
 
-        graph_size = None
-        if allow_graph and uniform_decode and self.cuda_graphs is not None:
-            graph_size = self.cuda_graphs.padded_size(num_reqs)
-        if graph_size is not None:
-            self.cuda_graphs.fill_padding(num_reqs, graph_size)
-            size, num_uploaded = graph_size, graph_size
-        else:
-            size, num_uploaded = num_reqs, num_tokens
-        input_ids = b.input_ids.upload(num_uploaded)
-        positions_dev = b.positions.upload(num_uploaded)
-        slot_mapping = b.slot_mapping.upload(num_uploaded)
-        seq_lens_dev = b.seq_lens.upload(size)
-        query_start_loc = b.query_start_loc.upload(size + 1)
+        input_ids = b.input_ids.upload(num_tokens)
+        positions_dev = b.positions.upload(num_tokens)
+        slot_mapping = b.slot_mapping.upload(num_tokens)
+        seq_lens_dev = b.seq_lens.upload(num_reqs)
+        query_start_loc = b.query_start_loc.upload(num_reqs + 1)
         common = CommonAttentionMetadata(
             num_reqs=num_reqs,
             num_actual_tokens=num_tokens,
@@ -325,11 +357,32 @@ class ModelRunner:
             query_start_loc_cpu=b.query_start_loc.host[: num_reqs + 1],
             seq_lens_cpu=b.seq_lens.host[:num_reqs],
             block_size=bs,
+            block_table_cpu=torch.from_numpy(table_rows),
+            num_common_prefix_blocks=common_prefix_blocks(
+                table_rows, starts_np, bs, self.config.cascade_attention_min_blocks
+            ),
         )
         return StepInputs(
-            num_reqs, num_tokens, common, input_ids[:num_tokens], positions_dev[:num_tokens],
-            uniform_decode, graph_size,
+            num_reqs, num_tokens, common, input_ids[:num_tokens], positions_dev[:num_tokens], uniform_decode
         )
+
+    def _prepare_graph_inputs(self, states, starts_np: np.ndarray, graph_size: int) -> StepInputs | None:
+        """A decode batch for a captured graph: the token, ``seq_len`` and block-table row of
+        each request are all the graph needs (see ``CudaGraphRunner``). None: the attention
+        backend declined the graph for this batch."""
+        num_reqs = len(states)
+        seq_lens = starts_np + 1
+        max_cols = cdiv(int(starts_np.max()) + 1, self.block_size)
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
+        input_ids = [s.token_ids[c] for s, c in zip(states, starts_np.tolist())]
+        table_rows = self.block_table_cpu[rows, :max_cols]
+        common_blocks = common_prefix_blocks(
+            table_rows, starts_np, self.block_size, self.config.cascade_attention_min_blocks
+        )
+        if not self.cuda_graphs.load(input_ids, seq_lens, table_rows, graph_size, common_blocks):
+            return None
+        common = self.cuda_graphs.common_metadata(graph_size)
+        return StepInputs(num_reqs, num_reqs, common, None, None, True, graph_size)
 
     def _prompt_logprobs(self, states, starts, counts, hidden, common) -> dict[str, LogprobsLists]:
         """Logits at position ``p`` score prompt token ``p + 1``; a chunk ``[c, c+n)`` scores
@@ -349,6 +402,27 @@ class ModelRunner:
             )
             out[state.req_id] = logprobs_lists(torch.log_softmax(logits.float(), dim=-1), targets, k)
         return out
+
+
+def common_prefix_blocks(
+    block_table: np.ndarray, num_computed_tokens: np.ndarray, block_size: int, min_blocks: int
+) -> int:
+    """Leading block-table columns identical in every row and cached before this step (every
+    request has computed past them, so all of its new tokens come after them): the prefix that
+    cascade attention reads once for the batch. 0 when fewer than ``min_blocks`` (0: off) or
+    fewer than two requests::
+
+        r0: | 4 5 6 | 7 1 |      3 common blocks, if each request has computed
+        r1: | 4 5 6 | 9 2 |      at least 3 * block_size tokens
+    """
+    if min_blocks <= 0 or len(block_table) < 2:
+        return 0
+    limit = int(num_computed_tokens.min()) // block_size
+    if limit < min_blocks:
+        return 0
+    same = (block_table[:, :limit] == block_table[0, :limit]).all(axis=0)
+    num = limit if same.all() else int(same.argmin())
+    return num if num >= min_blocks else 0
 
 
 def logprobs_lists(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobsLists:
