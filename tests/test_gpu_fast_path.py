@@ -132,3 +132,25 @@ def test_max_model_len_that_cannot_fit_is_a_clear_startup_error(make_model):
     model_dir = make_model("fast_long", "llama", **{**SHAPE, "max_position_embeddings": 1 << 22})
     with pytest.raises(ValueError, match="less than one max_model_len=4194304 sequence"):
         LLM(str(model_dir), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.05)
+
+
+@pytest.mark.parametrize("eager", [True, None])
+def test_steps_make_no_host_sync_but_the_sampled_ids(make_model, eager):
+    """Every synchronising CUDA call outside the runner's one marked read raises."""
+    model_dir = _model(make_model, "qwen3")
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", enforce_eager=eager, gpu_memory_utilization=0.3)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 7 * i))} for i in range(6)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=20, seed=3),
+        SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5, max_tokens=20),
+        SamplingParams(temperature=0, logprobs=3, prompt_logprobs=2, max_tokens=20),
+        SamplingParams(temperature=0.7, frequency_penalty=0.3, min_tokens=5, max_tokens=20),
+        SamplingParams(temperature=0, max_tokens=20),
+    ]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [20] * 6

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -238,9 +239,10 @@ class ModelRunner:
             self._apply_grammar(logits, sched.structured_output_request_ids, req_ids)
         sampled = self.sampler(logits, md, self.generator)
 
-        prompt_logprobs = self._prompt_logprobs(states, starts, counts, hidden, step.common)
-        sampled_ids = sampled.sampled_token_ids.tolist()  # the one host sync per step
-        logprobs = _split_logprobs(sampled.logprobs, states)
+        with host_sync_point():  # the one host sync per step: the sampled ids (+ logprobs)
+            prompt_logprobs = self._prompt_logprobs(states, starts, counts, hidden, step.common)
+            sampled_ids = sampled.sampled_token_ids.tolist()
+            logprobs = _split_logprobs(sampled.logprobs, states)
 
         out_ids: list[list[int]] = []
         for state, start, count, token in zip(states, starts, counts, sampled_ids):
@@ -423,6 +425,21 @@ def common_prefix_blocks(
     same = (block_table[:, :limit] == block_table[0, :limit]).all(axis=0)
     num = limit if same.all() else int(same.argmin())
     return num if num >= min_blocks else 0
+
+
+@contextmanager
+def host_sync_point():
+    """Marks the step's deliberate device-to-host reads. GPU tests decode under
+    ``torch.cuda.set_sync_debug_mode("error")`` to prove that nothing else synchronises."""
+    mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
+    if not mode:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 def logprobs_lists(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobsLists:
