@@ -20,6 +20,8 @@ _LAZY = {
     "StructuredOutputBackend": ("pagelm.structured_output", "StructuredOutputBackend"),
     "StructuredOutputGrammar": ("pagelm.structured_output", "StructuredOutputGrammar"),
     "CompiledGrammar": ("pagelm.structured_output", "CompiledGrammar"),
+    "Proposer": ("pagelm.spec_decode", "Proposer"),
+    "SpeculativeConfig": ("pagelm.spec_decode", "SpeculativeConfig"),
     "get_plugin_manager": ("pagelm.plugin_manager", "get_plugin_manager"),
 }
 

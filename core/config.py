@@ -40,8 +40,13 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
     scheduling_policy: str = "fcfs"
-    # "auto": triton on CUDA when it is installed, else torch (logged at start-up).
+    # "auto": on CUDA the first usable of flashinfer, triton, torch; torch on CPU (logged at
+    # start-up).
     attention_backend: str = "auto"
+    # Cascade attention: when every request of a step shares at least this many leading,
+    # already-cached KV blocks (many requests over one system prompt), a backend that supports
+    # it (flashinfer) attends them once for the whole batch. 0 turns it off.
+    cascade_attention_min_blocks: int = 16
     load_format: str = "auto"
     # None: CUDA graphs for decode when the device and the attention backend allow them;
     # True: never; False: required (a backend that is not graph safe is then an error).
@@ -55,6 +60,9 @@ class EngineConfig:
     structured_output_backend: str = "xgrammar"
     structured_output_cache_bytes: int = 512 << 20
     structured_output_compile_timeout: float = 30.0
+    # Speculative decoding: {"method": "ngram" | "eagle", "num_speculative_tokens": k, ...}
+    # (see pagelm.spec_decode.config); None = off.
+    speculative_config: dict[str, Any] | None = None
     # Extra, plugin-specific settings (e.g. a policy's knobs) pass through untouched.
     plugin_config: dict[str, Any] = field(default_factory=dict)
 
@@ -97,6 +105,10 @@ class EngineConfig:
             )
         if self.max_num_partial_prefills < 1:
             out.append(f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}")
+        if self.cascade_attention_min_blocks < 0:
+            out.append(
+                f"cascade_attention_min_blocks must be >= 0 (0 = off), got {self.cascade_attention_min_blocks}"
+            )
         if self.structured_output_cache_bytes < 0:
             out.append(f"structured_output_cache_bytes must be >= 0, got {self.structured_output_cache_bytes}")
         if not self.structured_output_compile_timeout > 0:
@@ -105,7 +117,21 @@ class EngineConfig:
             )
         if self.load_format not in ("auto", "safetensors", "dummy"):
             out.append(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.speculative_config is not None:
+            try:
+                self.speculative
+            except ValueError as exc:
+                out.append(str(exc))
         return out
+
+    @property
+    def speculative(self):
+        """``speculative_config`` parsed (a ``SpeculativeConfig``), or None when off."""
+        if self.speculative_config is None:
+            return None
+        from pagelm.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -44,6 +44,12 @@ def pagelm_register_structured_output_backends(registry: "Registry") -> None:
 
 
 @hookspec
+def pagelm_register_proposers(registry: "Registry") -> None:
+    """Add speculative-decoding ``Proposer`` subclasses: ``registry.add(name, proposer_cls)``.
+    The name is what ``speculative_config={"method": name}`` selects."""
+
+
+@hookspec
 def pagelm_register_models(registry: "Registry") -> None:
     """Add model classes keyed by the Hugging Face ``architectures`` name in config.json:
     ``registry.add("LlamaForCausalLM", cls)``."""

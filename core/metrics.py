@@ -51,6 +51,16 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed) by the scheduler.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        # Speculative decoding, vLLM's names: mean acceptance length = 1 + accepted / drafts.
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Speculative verification rounds.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted by the target."
+        )
+        self._spec_accepted_per_pos = Counter(
+            "pagelm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
+            ["model_name", "position"], registry=r,
+        )
         self._request_success = Counter(
             "pagelm:request_success", "Requests finished, by finish reason (stop, length, abort).",
             ["model_name", "finished_reason"], registry=r,
@@ -91,6 +101,8 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        if stats.spec_num_drafts != last.spec_num_drafts:
+            self._record_spec_decode(stats, last)
         generated = sum(len(o.new_token_ids) for o in outputs)
         self.generation_tokens.inc(generated)
         self.total_generation_tokens += generated
@@ -98,6 +110,16 @@ class EngineMetrics:
             if out.finished:
                 self._request_done(out)
         return generated
+
+    def _record_spec_decode(self, stats: SchedulerStats, last: SchedulerStats) -> None:
+        self.spec_decode_num_drafts.inc(stats.spec_num_drafts - last.spec_num_drafts)
+        self.spec_decode_num_draft_tokens.inc(stats.spec_num_draft_tokens - last.spec_num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens)
+        before = last.spec_num_accepted_tokens_per_pos
+        for pos, total in enumerate(stats.spec_num_accepted_tokens_per_pos):
+            delta = total - (before[pos] if pos < len(before) else 0)
+            if delta:
+                self._spec_accepted_per_pos.labels(self._model_name, str(pos)).inc(delta)
 
     def _request_done(self, out: RequestOutput) -> None:
         self.prompt_tokens.inc(len(out.prompt_token_ids))
@@ -124,6 +146,7 @@ class StatsLogger:
         self.metrics = metrics
         self._time = time.monotonic()
         self._prompt = self._generation = 0
+        self._spec = (0, 0, 0)  # drafts, draft tokens, accepted tokens at the last log
 
     def log(self, stats: SchedulerStats) -> None:
         now = time.monotonic()
@@ -134,9 +157,18 @@ class StatsLogger:
         if not (d_prompt or d_gen or stats.num_running or stats.num_waiting):
             return  # idle: stay quiet
         hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        spec = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+        drafts, drafted, accepted = (now_ - then for now_, then in zip(spec, self._spec))
+        self._spec = spec
+        spec_line = ""
+        if drafts:
+            spec_line = (
+                f", spec decode: mean acceptance length {1 + accepted / drafts:.2f}, "
+                f"acceptance rate {100 * accepted / drafted:.1f}%"
+            )
         logger.info(
             "prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, running: %d reqs, "
-            "waiting: %d reqs, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
+            "waiting: %d reqs, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%%s",
             d_prompt / elapsed, d_gen / elapsed, stats.num_running, stats.num_waiting,
-            100 * stats.kv_cache_usage, 100 * hit_rate,
+            100 * stats.kv_cache_usage, 100 * hit_rate, spec_line,
         )

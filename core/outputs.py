@@ -40,10 +40,25 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    # Speculative decoding (0 when off): verification rounds ("drafts"), tokens drafted in
+    # them, and how many of those the target accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        """Tokens per verification round: 1 + accepted / rounds (None without drafts)."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens (None without drafts)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
 
 
 @dataclass

@@ -165,6 +165,9 @@ class PluginManager:
     def structured_output_backends(self) -> Registry:
         return self._collect("structured output backend")
 
+    def proposers(self) -> Registry:
+        return self._collect("speculative proposer")
+
     def models(self) -> Registry:
         return self._collect("model architecture")
 
@@ -189,12 +192,14 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
     """Plugin kind -> (registration hook, the ABC its entries must subclass)."""
     from pagelm.attention import AttentionBackend
     from pagelm.sched.policy import SchedulingPolicy
+    from pagelm.spec_decode import Proposer
     from pagelm.structured_output import StructuredOutputBackend
 
     return {
         "attention backend": ("pagelm_register_attention_backends", AttentionBackend),
         "scheduling policy": ("pagelm_register_scheduling_policies", SchedulingPolicy),
         "structured output backend": ("pagelm_register_structured_output_backends", StructuredOutputBackend),
+        "speculative proposer": ("pagelm_register_proposers", Proposer),
         "model architecture": ("pagelm_register_models", None),
     }
 

@@ -85,6 +85,9 @@ class Request:
         # Guided decoding: this request's grammar state, set once its grammar has compiled.
         self.grammar: StructuredOutputGrammar | None = None
         self.output_token_ids: list[int] = []
+        # Speculative decoding: drafts proposed for this request's next step (not yet tokens
+        # of the request: block hashes and stop checks never see them).
+        self.spec_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         # Prompt tokens served from the prefix cache at first admission (reported to users).

@@ -1,6 +1,8 @@
-"""The built-in model architectures, registered through the same hook as third-party ones."""
+"""The built-in model architectures, registered through the same hook as third-party ones;
+EAGLE draft heads are registered as ``Eagle<architecture>``."""
 
 from pagelm import hookimpl
+from pagelm.models.eagle import EAGLE_HEADS
 from pagelm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagelm.models.qwen2 import Qwen2ForCausalLM
 from pagelm.models.qwen3 import Qwen3ForCausalLM
@@ -12,5 +14,5 @@ __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3F
 
 @hookimpl
 def pagelm_register_models(registry) -> None:
-    for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):
+    for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, *EAGLE_HEADS):
         registry.add(cls.__name__, cls)

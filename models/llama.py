@@ -131,6 +131,10 @@ class LlamaForCausalLM(nn.Module):
         """``input_ids``/``positions``: ``[num_tokens]``; returns ``[num_tokens, hidden]``."""
         return self.model(input_ids, positions)
 
+    def get_input_embeddings(self) -> nn.Module:
+        """The token embedding (shared with an EAGLE draft head)."""
+        return self.model.embed_tokens
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` float32 (sampling wants full precision)."""
         return self.lm_head(hidden_states).float()

@@ -48,3 +48,20 @@ def test_kernel_masks_what_the_torch_reference_masks(kernel, dtype, with_rows):
     assert torch.isinf(logits[masked[1], 320:]).all()  # padded columns: never allowed
     untouched = [r for r in range(5) if r not in masked]
     assert not torch.isinf(logits[untouched]).any()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the side-stream copy of a pinned bitmask is CUDA's")
+def test_a_pinned_bitmask_copied_beside_a_running_forward_pass_masks_the_same():
+    from pagelm.sample.bitmask import apply_token_bitmask
+
+    gen = torch.Generator().manual_seed(1)
+    vocab = 128256
+    logits = torch.randn(64, vocab, generator=gen).to(DEVICE)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (64, vocab // 32), generator=gen, dtype=torch.int32).pin_memory()
+    expected = logits.clone()
+    apply_token_bitmask_torch(expected, bitmask.to(DEVICE))
+    busy = torch.randn(4096, 4096, device=DEVICE)
+    for _ in range(8):  # the forward pass, still running on the current stream
+        busy = busy @ busy
+    apply_token_bitmask(logits, bitmask)
+    assert torch.equal(logits, expected)

@@ -58,7 +58,7 @@ DECIDED_MARGIN = 0.1
 def test_bf16_teacher_forced_top1_agrees_with_transformers(make_model, arch):
     model_dir = _model(make_model, arch)
     prompt = torch.randint(5, 500, (300,), generator=torch.Generator().manual_seed(0)).tolist()
-    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", attention_backend="triton", gpu_memory_utilization=0.3)
     ours = _prompt_top1(llm, prompt)
     del llm
     ref = _reference_logprobs(model_dir, prompt, torch.float32)
@@ -120,7 +120,7 @@ def test_cuda_graphs_on_and_off_give_identical_tokens(make_model):
 def test_kv_pool_is_sized_by_profiling_within_the_utilisation_share(make_model):
     model_dir = _model(make_model, "llama")
     total = torch.cuda.mem_get_info()[1]
-    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.4)
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", attention_backend="triton", gpu_memory_utilization=0.4)
     core = llm.engine.core
     assert core.num_kv_blocks > 1000
     assert torch.cuda.memory_reserved() <= 0.4 * total
@@ -135,18 +135,21 @@ def test_max_model_len_that_cannot_fit_is_a_clear_startup_error(make_model):
 
 
 @pytest.mark.parametrize("eager", [True, None])
-def test_steps_make_no_host_sync_but_the_sampled_ids(make_model, eager):
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_steps_make_no_host_sync_but_the_sampled_ids(make_model, eager, backend):
     """Every synchronising CUDA call outside the runner's one marked read raises."""
     model_dir = _model(make_model, "qwen3")
-    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", enforce_eager=eager, gpu_memory_utilization=0.3)
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", enforce_eager=eager, attention_backend=backend,
+              gpu_memory_utilization=0.3)
     prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 7 * i))} for i in range(6)]
     params = [
-        SamplingParams(temperature=0, max_tokens=20),
-        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=20, seed=3),
-        SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5, max_tokens=20),
-        SamplingParams(temperature=0, logprobs=3, prompt_logprobs=2, max_tokens=20),
-        SamplingParams(temperature=0.7, frequency_penalty=0.3, min_tokens=5, max_tokens=20),
-        SamplingParams(temperature=0, max_tokens=20),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=20, seed=3, ignore_eos=True),
+        SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5, max_tokens=20,
+                       ignore_eos=True),
+        SamplingParams(temperature=0, logprobs=3, prompt_logprobs=2, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.7, frequency_penalty=0.3, min_tokens=5, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
     ]
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -489,6 +489,87 @@ def test_json_strings_with_length_bounds_hold_no_raw_control_characters(backend)
     assert grammar.accept_tokens(tokenizer.encode('bcd"'))
 
 
+# ---- grammar work done a step ahead, on a worker thread --------------------------------------
+
+
+@pytest.fixture
+def manager(llama_dir):
+    from pagelm import EngineConfig
+    from pagelm.plugins.structured_output.xgrammar_backend import XgrammarBackend
+    from pagelm.structured_output import StructuredOutputManager
+
+    config = EngineConfig(model=str(llama_dir), max_num_seqs=4, **ENGINE_ARGS)
+    manager = StructuredOutputManager(config, XgrammarBackend, 520, frozenset([EOS]))
+    yield manager
+    manager.shutdown()
+
+
+def guided_requests(manager, constraints: dict[str, dict]) -> dict[str, Request]:
+    requests = {}
+    for req_id, constraint in constraints.items():
+        requests[req_id] = Request(req_id, [5], guided(**constraint), eos_token_ids=frozenset([EOS]))
+        manager.submit(requests[req_id])
+    while manager.has_pending:
+        manager.wait(1.0)
+        manager.poll()
+    assert all(r.grammar is not None for r in requests.values())
+    return requests
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_bitmask_rows_prepared_ahead_follow_the_order_each_step_asks_for(manager, monkeypatch, threaded):
+    from pagelm.structured_output import manager as manager_module
+
+    # On the worker thread however few the requests, or always in grammar_bitmask.
+    monkeypatch.setattr(manager_module, "_THREADED_MIN_REQUESTS", 1 if threaded else 10**9)
+    reqs = guided_requests(manager, {
+        "a": dict(regex="[a-c]{8}"), "b": dict(regex="[0-9]{8}"), "c": dict(choice=["yes please", "no thanks"]), "d": dict(regex="x+y"),
+    })
+
+    def step(order):  # each row is what that request's grammar allows now; returns a token each
+        rows = unpack_bitmask(manager.grammar_bitmask(order).clone(), 520)
+        assert [row.tolist() for row in rows] == [allowed(reqs[r].grammar).tolist() for r in order]
+        return {r: next(t for t in row.nonzero().flatten().tolist() if t != EOS) for r, row in zip(order, rows)}
+
+    tokens = step(["a", "b", "c"])  # first samples: filled inline
+    # Same order plus a newcomer; then shuffled (a preemption); then a subset.
+    for order in (["a", "b", "c", "d"], ["c", "a", "d", "b"], ["b", "d"]):
+        for r, token in tokens.items():
+            manager.accept_tokens(reqs[r], [token])
+        manager.prepare_bitmask()  # the grammars move on the worker thread
+        tokens = step(order)
+
+
+def test_grammar_work_moves_to_the_bitmask_worker_thread_from_eight_decoding_requests(llm, monkeypatch):
+    from pagelm.plugins.structured_output.xgrammar_backend import XgrammarBackend
+
+    threads = []
+    real = XgrammarBackend.batch_accept_tokens
+
+    def spy(self, grammars, token_ids):
+        threads.append((len(grammars), threading.current_thread().name))
+        return real(self, grammars, token_ids)
+
+    monkeypatch.setattr(XgrammarBackend, "batch_accept_tokens", spy)
+    params = SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(regex="[a-z]{40}"))
+    llm.generate([PROMPT] * 8, params, use_tqdm=False)
+    llm.generate([PROMPT] * 3, params, use_tqdm=False)
+    assert {n for n, _ in threads} >= {8, 3}
+    assert all(name.startswith("pagelm-bitmask" if n >= 8 else "MainThread") for n, name in threads), threads
+
+
+def test_outputs_are_the_same_whether_the_bitmask_is_prepared_ahead_or_inline(llm, monkeypatch):
+    constraints = [dict(json=SCHEMAS["arrays"]), dict(regex=r"[a-z]{3,9}"), dict(choice=["red", "green"]), dict(grammar=ARITHMETIC)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, guided_decoding=GuidedDecodingParams(**c))
+              for i, c in enumerate(constraints * 2)]
+    prompts = [{"prompt_token_ids": list(range(5, 5 + 3 * i + 1))} for i in range(len(params))]  # prefills end apart
+    ahead = llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(llm.engine.core.structured_output, "prepare_bitmask", lambda: None)  # grammar_bitmask does it all
+    inline = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ahead] == [o.outputs[0].token_ids for o in inline]
+    assert "error" not in {o.outputs[0].finish_reason for o in ahead}
+
+
 def test_guided_params_cross_the_engine_core_wire_format():
     params = SamplingParams(guided_decoding=GuidedDecodingParams(json={"type": "object", "properties": {"b": {}, "a": {}}}))
     request = decode_request(encode_request(Request("r", [5], params)), block_hasher=None)

@@ -6,6 +6,10 @@ Workloads (token ids, EOS ignored, so every request makes exactly its output len
   prompt lengths uniform in [100, 1024] of ids uniform in [0, 10000], output lengths uniform in
   [100, 1024], temperature 0.6: 142,827 prompt and 133,966 output tokens.
 - ``fixed``: ``--num-seqs`` prompts of exactly ``--input-len`` ids, ``--output-len`` each.
+- ``shared-prefix``: ``--num-seqs`` prompts of one shared ``--prefix-len``-id system prompt
+  followed by ``--input-len`` ids of their own, ``--output-len`` each (the prefix cache serves
+  the prefix; with ``--cascade-attention-min-blocks 0`` vs its default, cascade attention off
+  vs on).
 
 Reported: wall time of the timed ``generate`` (after a short warm-up), requests/s, output
 tokens/s (nano-vllm's figure) and total (prompt + output) tokens/s.
@@ -38,12 +42,17 @@ def add_parser(sub) -> None:
     )
     add_model_arg(p)
     p.add_argument(
-        "--workload", choices=["nano-vllm", "fixed"], default="nano-vllm", help="request shapes (default: %(default)s)"
+        "--workload", choices=["nano-vllm", "fixed", "shared-prefix"], default="nano-vllm",
+        help="request shapes (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prefix-len", type=int, default=2048, help="shared-prefix: tokens every prompt shares (default: %(default)s)"
     )
     p.add_argument("--num-seqs", type=int, default=256, help="requests (default: %(default)s)")
     p.add_argument(
         "--input-len", type=int, default=1024,
-        help="prompt tokens: exact (fixed) or the most (nano-vllm) (default: %(default)s)",
+        help="prompt tokens: exact (fixed), the most (nano-vllm) or after the prefix (shared-prefix) "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--output-len", type=int, default=1024,
@@ -89,6 +98,10 @@ class ThroughputResult:
 def make_workload(args: argparse.Namespace, vocab_size: int) -> TokenWorkload:
     if args.workload == "nano-vllm":
         return TokenWorkload.nano_vllm(args.num_seqs, args.input_len, args.output_len, args.workload_seed)
+    if args.workload == "shared-prefix":
+        return TokenWorkload.shared_prefix(
+            args.num_seqs, args.prefix_len, args.input_len, args.output_len, vocab_size, args.workload_seed
+        )
     return TokenWorkload.fixed(args.num_seqs, args.input_len, args.output_len, vocab_size, args.workload_seed)
 
 

@@ -70,3 +70,15 @@ class TokenWorkload:
         high = min(vocab_size, 10000) - 1
         prompts = [[rng.randint(0, high) for _ in range(input_len)] for _ in range(num_seqs)]
         return cls(prompts, [output_len] * num_seqs)
+
+    @classmethod
+    def shared_prefix(
+        cls, num_seqs: int, prefix_len: int, suffix_len: int, output_len: int, vocab_size: int, seed: int = 0
+    ) -> "TokenWorkload":
+        """Many requests over one system prompt: every prompt is the same ``prefix_len`` ids
+        followed by ``suffix_len`` ids of its own (ids below ``min(vocab_size, 10000)``)."""
+        rng = random.Random(seed)
+        high = min(vocab_size, 10000) - 1
+        prefix = [rng.randint(0, high) for _ in range(prefix_len)]
+        prompts = [prefix + [rng.randint(0, high) for _ in range(suffix_len)] for _ in range(num_seqs)]
+        return cls(prompts, [output_len] * num_seqs)

@@ -8,7 +8,7 @@ import importlib
 import sys
 
 # Subcommand modules under pagelm.cli, in the order `pagelm --help` lists them.
-COMMANDS = ["serve", "generate", "bench", "plugins", "simulate"]
+COMMANDS = ["serve", "generate", "bench", "plugins", "simulate", "train_eagle"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagelm.engine.core_output import EngineCoreOutput
@@ -38,6 +38,11 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # Speculative decoding totals (see pagelm.spec_decode.stats).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -46,6 +51,7 @@ class SchedulerStats:
     @classmethod
     def of(cls, core: EngineCore) -> "SchedulerStats":
         kv = core.kv_cache_manager
+        spec = core.scheduler.spec_decoding_stats
         return cls(
             core.scheduler.num_running,
             core.scheduler.num_waiting,
@@ -54,6 +60,10 @@ class SchedulerStats:
             kv.prefix_cache_stats.queries,
             kv.prefix_cache_stats.hits,
             core.scheduler.num_preemptions,
+            spec.num_drafts,
+            spec.num_draft_tokens,
+            spec.num_accepted_tokens,
+            list(spec.num_accepted_tokens_per_pos),
         )
 
 
@@ -117,6 +127,7 @@ def encode_outputs(outputs: list[EngineCoreOutput]) -> list:
         [
             o.request_id, o.new_token_ids, o.finish_reason, o.stop_reason, o.num_cached_tokens,
             o.first_scheduled_time, _encode_lp(o.new_logprobs), _encode_lp(o.new_prompt_logprobs), o.error,
+            o.num_draft_tokens, o.num_accepted_tokens,
         ]
         for o in outputs
     ]
@@ -128,8 +139,9 @@ def decode_outputs(data: list) -> list[EngineCoreOutput]:
             request_id=rid, new_token_ids=ids, new_logprobs=_decode_lp(lp),
             new_prompt_logprobs=_decode_lp(plp), finish_reason=reason, stop_reason=stop,
             num_cached_tokens=cached, first_scheduled_time=sched, error=error,
+            num_draft_tokens=drafted, num_accepted_tokens=accepted,
         )
-        for rid, ids, reason, stop, cached, sched, lp, plp, error in data
+        for rid, ids, reason, stop, cached, sched, lp, plp, error, drafted, accepted in data
     ]
 
 

@@ -20,6 +20,9 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     # finish_reason "error": why the request failed (e.g. its grammar did not compile).
     error: str | None = None
+    # Speculative decoding, this step: drafts verified and how many of them were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

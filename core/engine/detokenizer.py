@@ -37,17 +37,38 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.output_text = ""
+        # Of the last update's tokens, how many were taken: fewer than given when a stop
+        # string ends inside a run of several (accepted speculative drafts).
+        self.num_tokens_used = 0
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append the tokens' text; returns the stop string if one now appears (the text is
-        then cut before it, or after it with ``include_stop_str_in_output``)."""
-        start = len(self.output_text)
-        for token in new_token_ids:
-            piece = self._stream.step(self._backend, token)
-            if piece:
-                self.output_text += piece
-        if not self.stop or len(self.output_text) == start:
+        then cut before it, or after it with ``include_stop_str_in_output``). Several tokens
+        are checked one by one, so the stop string that plain decoding would have met first
+        ends the text, and ``num_tokens_used`` says how many tokens that took."""
+        self.num_tokens_used = len(new_token_ids)
+        if not self.stop:
+            for token in new_token_ids:
+                self._append(token)
             return None
+        for n, token in enumerate(new_token_ids, start=1):
+            start = len(self.output_text)
+            if not self._append(token):
+                continue
+            stop = self._find_stop(start)
+            if stop is not None:
+                self.num_tokens_used = n
+                return stop
+        return None
+
+    def _append(self, token: int) -> bool:
+        piece = self._stream.step(self._backend, token)
+        if piece:
+            self.output_text += piece
+        return bool(piece)
+
+    def _find_stop(self, start: int) -> str | None:
+        """The first stop string in the text added since ``start`` (cutting the text)."""
         # Only the new text, plus enough of the old for a stop string spanning both.
         window_start = max(0, start - self._max_stop_len + 1)
         best: tuple[int, str] | None = None

@@ -2,6 +2,7 @@
 runner; it knows nothing about text (token ids in, token ids out)::
 
     step():  scheduler.schedule() -> runner.execute_model() -> scheduler.update_from_output()
+             -> structured_output.prepare_bitmask()   (grammar work for the next step, threaded)
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class EngineCore:
         problems = policy_cls.validate(config)
         if problems:
             raise ValueError(f"scheduling_policy={config.scheduling_policy!r}: " + "; ".join(problems))
+        proposer_cls = self._proposer_class(plugins)
 
         path = resolve_model_path(config.model)
         self.hf_config = load_hf_config(path)
@@ -58,11 +60,17 @@ class EngineCore:
             config, plugins.attention_backends(), layers[0].spec, self.dtype, self.device
         )
         use_cuda_graphs = self._use_cuda_graphs(backend_cls)
+        # A draft model (EAGLE) shares the target's embedding and LM head; its attention
+        # layers get KV caches next to the target's.
+        proposer = None if proposer_cls is None else proposer_cls(config, model, self.device, self.dtype)
 
         self.eos_token_ids = eos_token_ids
         self.runner = ModelRunner(
             config, model, backend_cls, self.device, self.dtype, eos_token_ids, self.vocab_size, self.max_model_len
         )
+        if proposer is not None:
+            self.runner.enable_speculative_decoding(proposer)
+            layers = layers + list(proposer.attention_layers())
         self.num_kv_blocks = self._num_kv_blocks(layers)
         if self.num_kv_blocks * config.block_size < self.max_model_len:
             raise ValueError(
@@ -81,16 +89,36 @@ class EngineCore:
         )
         self.runner.structured_output = self.structured_output
         self.scheduler = Scheduler(
-            config, self.kv_cache_manager, policy_cls(config), self.max_model_len, self.structured_output
+            config, self.kv_cache_manager, policy_cls(config), self.max_model_len, self.structured_output,
+            num_lookahead_tokens=0 if proposer_cls is None else proposer_cls.num_lookahead_slots(config),
         )
         # req_id -> when it was first scheduled, until its first output carries it out.
         self._first_scheduled: dict[str, float] = {}
         logger.info(
-            "pagelm engine: %s on %s/%s, %d KV blocks of %d tokens, backend=%s, policy=%s, cuda_graphs=%s",
+            "pagelm engine: %s on %s/%s, %d KV blocks of %d tokens, backend=%s, policy=%s, cuda_graphs=%s, "
+            "speculative=%s",
             path.name, self.device, self.dtype, self.num_kv_blocks, config.block_size,
             backend_cls.name, policy_cls.name, use_cuda_graphs,
+            config.speculative.describe() if config.speculative else "off",
         )
         plugins.hook.pagelm_engine_started(engine=self)
+
+    def _proposer_class(self, plugins):
+        """The speculative proposer ``speculative_config`` names, checked (None: off)."""
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        proposers = plugins.proposers()
+        if spec.method not in proposers:
+            raise ValueError(
+                f"speculative_config.method={spec.method!r} is not a registered proposer; "
+                f"registered: {', '.join(proposers.names()) or '(none)'}"
+            )
+        proposer_cls = proposers.get(spec.method)
+        problems = proposer_cls.validate(self.config)
+        if problems:
+            raise ValueError(f"speculative_config (method={spec.method!r}): " + "; ".join(problems))
+        return proposer_cls
 
     def _use_cuda_graphs(self, backend_cls) -> bool:
         """Graphs need CUDA and a graph-safe backend. ``enforce_eager=False`` demands them, so
@@ -165,6 +193,9 @@ class EngineCore:
         # scheduler reports requests that failed before running (a grammar that did not compile).
         runner_out = self.runner.execute_model(sched_out)
         outputs, finished = self.scheduler.update_from_output(sched_out, runner_out)
+        # Guided decoding: advance the grammars by this step's tokens and fill the next step's
+        # bitmask on a worker thread, while the outputs go out and the next step is built.
+        self.structured_output.prepare_bitmask()
         if self._first_scheduled:
             for out in outputs:
                 out.first_scheduled_time = self._first_scheduled.pop(out.request_id, None)

@@ -104,6 +104,10 @@ class RequestState:
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._to_dicts(out.new_prompt_logprobs))
         self.error = self.error or out.error  # finish reason "error": e.g. its grammar did not compile
+        if out.num_draft_tokens:
+            self.metrics.spec_num_drafts += 1
+            self.metrics.spec_num_draft_tokens += out.num_draft_tokens
+            self.metrics.spec_num_accepted_tokens += out.num_accepted_tokens
         if not out.new_token_ids:
             if out.error is not None:  # failed before producing output
                 self.finish_reason = out.finish_reason
@@ -112,12 +116,17 @@ class RequestState:
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
         self.metrics.last_token_time = now
-        self.token_ids.extend(out.new_token_ids)
+        new_ids, new_logprobs = out.new_token_ids, out.new_logprobs
+        stop_str = None if self.detokenizer is None else self.detokenizer.update(new_ids)
+        if stop_str is not None and self.detokenizer.num_tokens_used < len(new_ids):
+            # A stop string inside a run of accepted drafts: the request ends at its token.
+            new_ids = new_ids[: self.detokenizer.num_tokens_used]
+            new_logprobs = None if new_logprobs is None else new_logprobs.head(len(new_ids))
+        self.token_ids.extend(new_ids)
         self.metrics.num_generation_tokens = len(self.token_ids)
-        if self.logprobs is not None and out.new_logprobs is not None:
-            self.logprobs.extend(self._to_dicts(out.new_logprobs))
-            self.cumulative_logprob += sum(lps[0] for lps in out.new_logprobs.logprobs)
-        stop_str = None if self.detokenizer is None else self.detokenizer.update(out.new_token_ids)
+        if self.logprobs is not None and new_logprobs is not None:
+            self.logprobs.extend(self._to_dicts(new_logprobs))
+            self.cumulative_logprob += sum(lps[0] for lps in new_logprobs.logprobs)
         if stop_str is not None:
             self.finish_reason, self.stop_reason = "stop", stop_str
         elif out.finish_reason is not None:

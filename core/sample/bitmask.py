@@ -12,6 +12,10 @@ import torch
 
 _TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 _BITS = None
+_COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+# Smaller bitmasks (16 rows of a 128k vocabulary) copy in a few microseconds: a side stream's
+# bookkeeping would cost the host more than the copy costs the device.
+_SIDE_STREAM_MIN_BYTES = 256 << 10
 
 
 def _bit_weights(device: torch.device) -> torch.Tensor:
@@ -30,13 +34,31 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
     """Set disallowed logits to ``-inf`` in place; bitmask row ``i`` masks logits row
-    ``rows[i]`` (default: row ``i``). On CUDA (with Triton) one kernel does it; elsewhere, torch ops."""
+    ``rows[i]`` (default: row ``i``). On CUDA (with Triton) one kernel does it; elsewhere, torch ops.
+
+    A large pinned CPU ``bitmask`` is copied on a side stream, so the copy overlaps the forward
+    pass still running on the current stream (which waits for it); it must stay unchanged until
+    the step's next host sync."""
     if logits.is_cuda and _TRITON_AVAILABLE:
         from pagelm.sample.triton_bitmask import apply_token_bitmask_triton
 
-        apply_token_bitmask_triton(logits, bitmask.to(logits.device, non_blocking=True), rows)
+        apply_token_bitmask_triton(logits, _upload(bitmask, logits.device), rows)
         return
     apply_token_bitmask_torch(logits, bitmask, rows)
+
+
+def _upload(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if bitmask.device == device or bitmask.nbytes < _SIDE_STREAM_MIN_BYTES or not bitmask.is_pinned():
+        return bitmask.to(device, non_blocking=True)
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    current = torch.cuda.current_stream(device)
+    with torch.cuda.stream(stream):  # allocated from the side stream's pool: no race with current's
+        on_device = bitmask.to(device, non_blocking=True)
+    current.wait_stream(stream)
+    on_device.record_stream(current)  # freed memory is reused only once current is done with it
+    return on_device
 
 
 def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:

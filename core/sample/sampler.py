@@ -49,15 +49,7 @@ class Sampler(nn.Module):
         """
         assert logits.dim() == 2 and logits.dtype == torch.float32, "sampler expects [N, V] float32 logits"
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
-
-        if md.allowed_token_mask is not None:
-            logits = logits.masked_fill(~md.allowed_token_mask, float("-inf"))
-        if md.min_tokens_stop_ids:
-            logits = apply_min_tokens(logits, md.min_tokens_stop_ids)
-        if not md.no_penalties:
-            logits = apply_penalties(logits, md)
-
-        sampled = self.sample(logits, md, generator)
+        sampled = self.sample(process_logits(logits, md), md, generator)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
@@ -73,16 +65,34 @@ class Sampler(nn.Module):
         if md.all_greedy:
             return greedy
 
-        logits = apply_temperature(logits, md.temperature)
-        if md.min_p is not None:
-            logits = apply_min_p(logits, md.min_p)
-        if md.top_k is not None or md.top_p is not None:
-            logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
-        random = exponential_race(logits.softmax(dim=-1), md.generators, generator)
+        random = exponential_race(sampling_probs(logits, md), md.generators, generator)
 
         if greedy is None:
             return random
         return torch.where(md.temperature < SAMPLING_EPS, greedy, random)
+
+
+def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The processors that apply to greedy and random rows alike: the allowed-token mask,
+    min-tokens bans, penalties."""
+    if md.allowed_token_mask is not None:
+        logits = logits.masked_fill(~md.allowed_token_mask, float("-inf"))
+    if md.min_tokens_stop_ids:
+        logits = apply_min_tokens(logits, md.min_tokens_stop_ids)
+    if not md.no_penalties:
+        logits = apply_penalties(logits, md)
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows sample from: temperature, min-p, top-k, top-p, softmax
+    over already processed logits (greedy rows come out at temperature 1; callers use argmax)."""
+    logits = apply_temperature(logits, md.temperature)
+    if md.min_p is not None:
+        logits = apply_min_p(logits, md.min_p)
+    if md.top_k is not None or md.top_p is not None:
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k)
+    return logits.softmax(dim=-1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,7 +110,8 @@ def apply_min_tokens(logits: torch.Tensor, stop_ids: dict[int, set[int]]) -> tor
         torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True),
         torch.tensor(cols, dtype=torch.long).to(logits.device, non_blocking=True),
     )
-    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+    # torch.full fills on the device; torch.tensor(..., device=cuda) would be a host sync.
+    return logits.index_put(index, torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
 def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

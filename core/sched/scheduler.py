@@ -17,6 +17,7 @@ from pagelm.kv_cache import KVCacheManager
 from pagelm.request import Request, RequestStatus
 from pagelm.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagelm.sched.policy import SchedulingPolicy
+from pagelm.spec_decode.stats import SpecDecodingStats
 from pagelm.structured_output import StructuredOutputManager
 from pagelm.worker.output import ModelRunnerOutput
 
@@ -33,6 +34,7 @@ class Scheduler:
         policy: SchedulingPolicy,
         max_model_len: int,
         structured_output: StructuredOutputManager | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
@@ -46,6 +48,10 @@ class Scheduler:
         # queue once its grammar is ready, or fails with the compile's error.
         self.structured_output = structured_output
         self._failed: list[Request] = []
+        # Speculative decoding: KV slots reserved past a step's tokens for the proposer's own
+        # writes (EAGLE's KV at draft positions), and acceptance counters since start.
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_decoding_stats = SpecDecodingStats()
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -126,15 +132,20 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = self._num_new_tokens(req, req.num_computed_tokens, step.budget)
+            # Drafts ride after the known tokens; a short budget trims them first.
+            num_new = self._num_new_tokens(req, req.num_computed_tokens, step.budget, len(req.spec_token_ids))
             partial = req.num_computed_tokens + num_new < req.num_tokens
             if partial and step.num_partial >= self.config.max_num_partial_prefills:
                 continue
-            blocks = self._allocate_or_preempt(req, num_new, out, step)
+            lookahead = self._num_lookahead(req, req.num_computed_tokens + num_new, partial)
+            blocks = self._allocate_or_preempt(req, num_new, lookahead, out, step)
             if blocks is None:
                 continue
             step.book(req, num_new, partial, out)
             step.new_block_ids[req.request_id] = [b.block_id for b in blocks]
+            num_drafts = req.num_computed_tokens + num_new - req.num_tokens
+            if num_drafts > 0:
+                out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:num_drafts]
 
     def _schedule_waiting(self, out: SchedulerOutput, step: "_StepState") -> None:
         """Admit waiting requests in policy order. When the head does not fit (KV blocks or
@@ -149,7 +160,8 @@ class Scheduler:
             if partial and step.num_partial >= self.config.max_num_partial_prefills:
                 break
             if len(self.running) < self.config.max_num_seqs:
-                if self.kv.allocate_slots(req, num_new, new_computed_blocks=hits) is not None:
+                lookahead = self._num_lookahead(req, num_hit_tokens + num_new, partial)
+                if self.kv.allocate_slots(req, num_new, lookahead, new_computed_blocks=hits) is not None:
                     self._admit(req, num_hit_tokens, out)
                     step.book(req, num_new, partial, out)
                     continue
@@ -194,17 +206,26 @@ class Scheduler:
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
 
-    def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
-        num_new = req.num_tokens - num_computed
+    def _num_new_tokens(self, req: Request, num_computed: int, budget: int, num_drafts: int = 0) -> int:
+        num_new = req.num_tokens + num_drafts - num_computed
         if self.config.long_prefill_token_threshold:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return min(num_new, budget)
 
-    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput, step: "_StepState"):
+    def _num_lookahead(self, req: Request, end: int, partial: bool) -> int:
+        """Slots past ``end`` (this step's last token) the proposer may write while drafting;
+        none for an unfinished prefill chunk, which drafts nothing, or past max_model_len."""
+        if partial or not self.num_lookahead_tokens:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
+
+    def _allocate_or_preempt(
+        self, req: Request, num_new: int, lookahead: int, out: SchedulerOutput, step: "_StepState"
+    ):
         """Allocate slots for ``req``, preempting policy-chosen victims until it fits.
         Returns the new blocks, or None if ``req`` itself was preempted."""
         while True:
-            blocks = self.kv.allocate_slots(req, num_new)
+            blocks = self.kv.allocate_slots(req, num_new, lookahead)
             if blocks is not None:
                 return blocks
             victim = self.waiting.select_victim(self.running)
@@ -219,6 +240,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(req)
@@ -241,23 +263,33 @@ class Scheduler:
             if req.num_computed_tokens >= req.num_prompt_tokens:
                 req.prompt_logprobs_done = True
             new_ids = runner_out.sampled_token_ids[i] if req.num_computed_tokens >= req.num_tokens else []
+            drafts = sched_out.scheduled_spec_decode_tokens.get(req_id, ())
+            num_accepted = len(new_ids) - 1 if drafts else 0
+            if drafts:
+                # Rejected drafts' KV slots are simply overwritten by later steps.
+                req.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_decoding_stats.observe(len(drafts), num_accepted)
             if new_ids:
-                req.append_output_token_ids(new_ids)
-                self._check_stop(req)
+                new_ids = self._append_output_tokens(req, new_ids)
                 if req.grammar is not None:
                     self._advance_grammar(req, new_ids)
+            if runner_out.draft_token_ids and not req.is_finished:
+                req.spec_token_ids = self._room_for_drafts(req, runner_out.draft_token_ids[i])
             if not new_ids and prompt_lps is None:
                 continue
+            logprobs = runner_out.logprobs[i] if new_ids and runner_out.logprobs else None
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
                     new_token_ids=new_ids,
-                    new_logprobs=runner_out.logprobs[i] if new_ids and runner_out.logprobs else None,
+                    new_logprobs=logprobs if logprobs is None else logprobs.head(len(new_ids)),
                     new_prompt_logprobs=prompt_lps,
                     finish_reason=req.status.finish_reason,
                     stop_reason=req.stop_reason,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
                     error=req.error,
+                    num_draft_tokens=len(drafts),
+                    num_accepted_tokens=num_accepted,
                 )
             )
             if req.is_finished:
@@ -265,6 +297,31 @@ class Scheduler:
                 self._free(req)
                 finished.append(req)
         return outputs, finished
+
+    def _append_output_tokens(self, req: Request, new_ids: list[int]) -> list[int]:
+        """Append the step's tokens one at a time, so an EOS, a stop token or ``max_tokens``
+        inside an accepted run of drafts ends the request right there. Returns those kept."""
+        if len(new_ids) == 1:
+            req.append_output_token_ids(new_ids)
+            self._check_stop(req)
+            return new_ids
+        for n, token in enumerate(new_ids, start=1):
+            req.append_output_token_ids([token])
+            self._check_stop(req)
+            if req.is_finished:
+                return new_ids[:n]
+        return new_ids
+
+    def _room_for_drafts(self, req: Request, drafts: list[int]) -> list[int]:
+        """Drafts capped so that even if all are accepted, the step's output (drafts + one)
+        stays within ``max_tokens`` and ``max_model_len``. Guided requests get none: their
+        grammar is advanced one sampled token at a time."""
+        if req.use_structured_output or not drafts:
+            return []
+        room = self.max_model_len - req.num_tokens - 1
+        if req.max_tokens is not None:
+            room = min(room, req.max_tokens - req.num_output_tokens - 1)
+        return list(drafts[: max(room, 0)])
 
     def _advance_grammar(self, req: Request, new_ids: list[int]) -> None:
         """Hand the sampled tokens to the grammar (it takes them while the next forward pass
@@ -312,6 +369,7 @@ class _StepState:
     def unbook(self, req: Request, out: SchedulerOutput) -> None:
         """Undo ``book`` for a request preempted later in the same step."""
         self.budget += out.num_scheduled_tokens.pop(req.request_id, 0)
+        out.scheduled_spec_decode_tokens.pop(req.request_id, None)
         self.new_block_ids.pop(req.request_id, None)
         if req.request_id in self.partial_ids:
             self.partial_ids.discard(req.request_id)

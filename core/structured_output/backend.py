@@ -6,9 +6,12 @@ samples::
     backend.compile(params) -> CompiledGrammar --new_grammar()--> StructuredOutputGrammar
        (worker thread, cached)                                     (one per request)
 
-    each step, on the CPU while the GPU runs the forward pass (``grammar_bitmask``):
-                grammar.accept_tokens(last_sampled)    the token(s) sampled in the previous step
-                grammar.fill_bitmask(bitmask, row)     the tokens allowed in this one
+    each step, on a worker thread from the moment the previous step's tokens are known
+    (``prepare_bitmask``), batched over the requests:
+                backend.batch_accept_tokens(grammars, last_sampled)    the previous step's tokens
+                backend.fill_bitmasks(grammars, bitmask)               the tokens allowed next
+
+The batch calls should release the GIL while they work, so the step loop runs meanwhile.
 
 A backend gets the engine's EOS ids as its stop tokens and must allow them exactly where the
 grammar is complete: the scheduler ends a guided request when it samples one (reason "stop").
@@ -118,9 +121,19 @@ class StructuredOutputBackend(ABC):
         """Compile a constraint (runs in a worker thread). Raise ``ValueError`` with a clear
         message when it cannot be compiled."""
 
-    def fill_bitmasks(self, grammars: Sequence[StructuredOutputGrammar], bitmask: torch.Tensor) -> None:
-        """Fill row ``i`` of ``bitmask`` from ``grammars[i]``; override to batch (threads)."""
-        for row, grammar in enumerate(grammars):
+    def batch_accept_tokens(
+        self, grammars: Sequence[StructuredOutputGrammar], token_ids: Sequence[Sequence[int]]
+    ) -> list[bool]:
+        """``grammars[i].accept_tokens(token_ids[i])`` for each ``i``; override with one call
+        that releases the GIL."""
+        return [grammar.accept_tokens(tokens) for grammar, tokens in zip(grammars, token_ids)]
+
+    def fill_bitmasks(
+        self, grammars: Sequence[StructuredOutputGrammar], bitmask: torch.Tensor, rows: Sequence[int] | None = None
+    ) -> None:
+        """Fill row ``rows[i]`` (default ``i``) of ``bitmask`` from ``grammars[i]``; override
+        to batch (threads, the GIL released)."""
+        for grammar, row in zip(grammars, range(len(grammars)) if rows is None else rows):
             grammar.fill_bitmask(bitmask, row)
 
     def shutdown(self) -> None:

@@ -7,10 +7,19 @@ them, and fills the batch's allowed-token bitmask for the runner.
     Scheduler.schedule    ── poll() ──────────► (compiled: admit, failed or timed out: finish)
     ModelRunner           ── grammar_bitmask(req_ids) ──► int32 CPU [n, ceil(vocab / 32)]
     Scheduler.update_from_output ── accept_tokens(request, sampled)
+    EngineCore.step (last) ── prepare_bitmask()
 
-Sampled tokens reach a grammar in the next ``grammar_bitmask``, which the runner calls after
-queuing the forward pass: advancing the matchers and filling the bitmask both happen on the
-CPU while the GPU computes, never between two steps.
+The grammar work of a step starts as soon as the previous step's tokens are known, on a
+worker thread (xgrammar drops the GIL in its batch calls)::
+
+    main:    | update | prepare | outputs, schedule, runner inputs, forward queued | grammar_bitmask |
+    worker:            | accept last tokens, fill next rows |                       (joined here)
+
+so it overlaps everything the main thread does up to the sampler. The rows come in the order
+the requests sampled in the previous step, which is the next step's order while they decode;
+``grammar_bitmask`` fills the rows of requests sampling for the first time (they come last),
+and copies the rows into the step's order when it changed (a preemption). Grammars move only
+in these jobs, so a staged row stays valid until the next one.
 
 Compiled grammars are cached by (kind, canonical spec), bounded by their total
 ``memory_size_bytes``, least recently used evicted first. Requests asking for a constraint
@@ -44,6 +53,9 @@ logger = logging.getLogger("pagelm")
 GrammarKey = tuple[str, str]  # (kind, canonical spec)
 
 _COMPILE_WORKERS = 2
+# Fewer guided requests than this advance in grammar_bitmask, after the forward pass is queued:
+# a few microseconds each, less than handing them to the worker (wake-ups, GIL hand-offs).
+_THREADED_MIN_REQUESTS = 8
 
 
 class GrammarCache:
@@ -112,7 +124,13 @@ class StructuredOutputManager:
         self._backend: StructuredOutputBackend | None = None
         self._backend_error: Exception | None = None
         self._backend_lock = threading.Lock()
-        self._bitmask: torch.Tensor | None = None
+        # The step-ahead work (prepare_bitmask): one thread, the job in flight, and the
+        # requests whose rows of ``_staged`` are filled, in row order.
+        self._bitmask_worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._job: concurrent.futures.Future | None = None
+        self._staged_ids: list[str] = []
+        self._staged: torch.Tensor | None = None
+        self._ordered: torch.Tensor | None = None  # the step's order, when staged rows are not
 
     # ---- the scheduler's side ------------------------------------------------------------
     def submit(self, request: "Request") -> bool:
@@ -192,7 +210,7 @@ class StructuredOutputManager:
         return sum(len(job.waiting) for job in self._compiling.values())
 
     def accept_tokens(self, request: "Request", token_ids: list[int]) -> None:
-        """Tokens ``request`` sampled; its grammar takes them in the next ``grammar_bitmask``
+        """Tokens ``request`` sampled; its grammar takes them in the next ``prepare_bitmask``
         (a rejected token, which the bitmask rules out, sets ``request.error``)."""
         self._unapplied.setdefault(request.request_id, []).extend(token_ids)
 
@@ -206,26 +224,94 @@ class StructuredOutputManager:
         if job is not None:  # aborted while its grammar compiled; the compile still gets cached
             job.waiting = [(r, d) for r, d in job.waiting if r is not request]
 
+    # ---- the step loop's side ------------------------------------------------------------
+    def prepare_bitmask(self) -> None:
+        """Start advancing each grammar by the tokens accepted this step and filling its row of
+        the next step's bitmask, on a worker thread; ``grammar_bitmask`` picks the rows up.
+        The step loop calls it once the step's tokens are known. Until then the worker owns
+        those requests' grammars. A few requests are left to ``grammar_bitmask``: their work
+        costs less than the hand-off."""
+        self._finish_job()
+        if len(self._unapplied) >= _THREADED_MIN_REQUESTS:
+            if self._bitmask_worker is None:
+                self._bitmask_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagelm-bitmask")
+            self._job = self._bitmask_worker.submit(self._advance_and_fill, *self._stage())
+
     # ---- the runner's side ---------------------------------------------------------------
     def grammar_bitmask(self, request_ids: list[str]) -> torch.Tensor:
         """Allowed tokens of each request's next sample: row ``i`` for ``request_ids[i]``,
-        int32 on the CPU (pinned on CUDA machines), ``ceil(vocab_size / 32)`` words wide."""
-        n = len(request_ids)
-        if self._bitmask is None or self._bitmask.shape[0] < n:
-            rows = max(n, self.config.max_num_seqs)
-            self._bitmask = torch.empty(
-                (rows, cdiv(self.vocab_size, 32)), dtype=torch.int32, pin_memory=self.pin_memory
-            )
-        bitmask = self._bitmask[:n]
-        grammars = []
-        for req_id in request_ids:
-            request = self.requests[req_id]
-            tokens = self._unapplied.pop(req_id, None)
-            if tokens and not request.grammar.accept_tokens(tokens):
-                request.error = f"guided_decoding: sampled token(s) {tokens} are not allowed by the grammar"
-            grammars.append(request.grammar)
-        self._get_backend().fill_bitmasks(grammars, bitmask)
+        int32 on the CPU (pinned on CUDA machines), ``ceil(vocab_size / 32)`` words wide.
+        The runner must be done reading it (copied to the device, synced) by the step's end."""
+        self._finish_job()
+        if self._unapplied:  # a few requests, or the step loop did not prepare: do it now
+            self._take(self._advance_and_fill(*self._stage()))
+        n, staged = len(request_ids), self._staged_ids
+        ready = min(n, len(staged))
+        if staged[:ready] == request_ids[:ready] and (ready == 0 or self._staged.shape[0] >= n):
+            # The usual step: the decoding requests' rows are ready and in order; requests
+            # sampling for the first time (their prefill done) come after them.
+            self._staged = self._rows_buffer(self._staged, n)  # grows only when nothing is staged
+            self._staged_ids = list(request_ids) if n > ready else staged
+            bitmask, missing = self._staged[:n], list(range(ready, n))
+        else:  # the order changed (a preemption, a prefill that finished mid-queue): copy
+            self._ordered = self._rows_buffer(self._ordered, n)
+            bitmask, missing = self._ordered[:n], []
+            staged_row = {req_id: row for row, req_id in enumerate(staged)}
+            src, dst = [], []
+            for i, req_id in enumerate(request_ids):
+                row = staged_row.get(req_id)
+                if row is None:
+                    missing.append(i)
+                else:
+                    src.append(row)
+                    dst.append(i)
+            if src:
+                bitmask[dst] = self._staged[src]
+        if missing:
+            grammars = [self.requests[request_ids[i]].grammar for i in missing]
+            self._get_backend().fill_bitmasks(grammars, bitmask, rows=missing)
         return bitmask
+
+    # ---- the worker ----------------------------------------------------------------------
+    def _stage(self) -> tuple[list["Request"], list[list[int]], torch.Tensor]:
+        """A job's arguments: the unapplied tokens, their requests, the buffer their rows go
+        to (no row is valid until the job is done)."""
+        requests = [self.requests[req_id] for req_id in self._unapplied]
+        tokens = list(self._unapplied.values())
+        self._unapplied = {}
+        self._staged_ids = []
+        self._staged = self._rows_buffer(self._staged, len(requests))
+        return requests, tokens, self._staged
+
+    def _advance_and_fill(self, requests: list["Request"], tokens: list[list[int]], bitmask: torch.Tensor):
+        """The job: advance the grammars, fill their rows. Returns the ids of the rows filled,
+        and the requests whose grammar rejected their tokens, with them."""
+        backend = self._get_backend()
+        grammars = [r.grammar for r in requests]
+        accepted = backend.batch_accept_tokens(grammars, tokens)
+        backend.fill_bitmasks(grammars, bitmask)
+        rejected = [(r, t) for r, t, ok in zip(requests, tokens, accepted) if not ok]
+        return [r.request_id for r in requests], rejected
+
+    def _finish_job(self) -> None:
+        """Wait for the job in flight; a rejected token fails its request (the bitmask rules
+        it out, so only a backend bug gets here)."""
+        job, self._job = self._job, None
+        if job is not None:
+            self._take(job.result())
+
+    def _take(self, result: tuple[list[str], list[tuple["Request", list[int]]]]) -> None:
+        self._staged_ids, rejected = result
+        for request, token_ids in rejected:
+            request.error = f"guided_decoding: sampled token(s) {token_ids} are not allowed by the grammar"
+
+    def _rows_buffer(self, buffer: torch.Tensor | None, n: int) -> torch.Tensor:
+        """A persistent ``[rows, words]`` bitmask with at least ``n`` rows."""
+        if buffer is None or buffer.shape[0] < n:
+            rows = max(n, self.config.max_num_seqs)
+            with torch.inference_mode(False):  # a plain tensor: the worker thread writes it too
+                buffer = torch.empty((rows, cdiv(self.vocab_size, 32)), dtype=torch.int32, pin_memory=self.pin_memory)
+        return buffer
 
     # ---- compiling -----------------------------------------------------------------------
     def _compile_pool(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -265,6 +351,8 @@ class StructuredOutputManager:
         return self.backend_cls(self.config, tokenizer, self.vocab_size, self.eos_token_ids)
 
     def shutdown(self) -> None:
+        if self._bitmask_worker is not None:
+            self._bitmask_worker.shutdown(wait=True)
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
         if self._backend is not None:

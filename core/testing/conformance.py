@@ -20,6 +20,10 @@ Scheduling policies (``check_scheduling_policy``):
 Attention backends (``check_attention_backend``): the static description, the paged
 kernels against the ``torch`` reference on mixed prefill/decode batches with shuffled
 blocks, and (with ``model_dir``) greedy generation equal to the reference backend's.
+
+Speculative proposers (``check_proposer``): the class is a registered ``Proposer`` whose
+``validate`` returns strings, and (with ``model_dir``) greedy generation with it, under
+chunked prefill, prefix caching and preemption, equals generation without speculation.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pagelm.request import Request, RequestStatus
 from pagelm.sampling_params import SamplingParams
 from pagelm.sched.policy import SchedulingPolicy
 from pagelm.sched.scheduler import Scheduler
+from pagelm.spec_decode import Proposer
 from pagelm.worker.output import ModelRunnerOutput
 
 __all__ = [
@@ -47,6 +52,8 @@ __all__ = [
     "check_policy_engine",
     "check_policy_queue",
     "check_policy_scheduling",
+    "check_proposer",
+    "check_proposer_engine",
     "check_scheduling_policy",
 ]
 
@@ -315,6 +322,7 @@ def _paged_attention(backend, spec: AttentionSpec, seqs, block_size: int, device
     ]
     impl = backend.make_impl(spec)
     builder = backend.make_metadata_builder(device)
+    builder.bind_layers([spec], dtype)
     cache = torch.zeros(
         backend.get_kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim), dtype=dtype, device=device
     )
@@ -363,3 +371,93 @@ def check_attention_engine(
     got = [o.outputs[0].token_ids for o in LLM(str(model_dir), attention_backend=name, **kw).generate(prompts, params, use_tqdm=False)]
     diff = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
     assert not diff, f"{name}: prompts {diff} gave different greedy tokens than the {reference!r} backend"
+
+
+# =============================================================================================
+# speculative proposers
+# =============================================================================================
+
+
+def check_proposer(
+    name: str, model_dir: str | Path | None = None, speculative_config: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Every proposer check; the engine check only when ``model_dir`` is given (returns its
+    acceptance counters, else ``{}``). ``speculative_config``: extra keys your proposer needs
+    (``{"model": ...}`` for a draft model)."""
+    cls = get_plugin_manager().proposers().get(name)
+    assert isinstance(cls, type) and issubclass(cls, Proposer), f"{name!r} is not a Proposer"
+    assert cls.name == name, f"proposer registered as {name!r} but its name attribute is {cls.name!r}"
+    config = EngineConfig(model=str(model_dir or "(conformance)"), speculative_config=_spec_config(name, speculative_config))
+    problems = cls.validate(config)
+    assert isinstance(problems, list) and all(isinstance(p, str) for p in problems), (
+        f"{name}: validate must return a list of strings, got {problems!r}"
+    )
+    lookahead = cls.num_lookahead_slots(config)
+    assert isinstance(lookahead, int) and lookahead >= 0, f"{name}: num_lookahead_slots must be an int >= 0"
+    if model_dir is None:
+        return {}
+    assert not problems, f"{name}: validate rejected the engine check's config: {problems}"
+    return check_proposer_engine(name, model_dir, speculative_config)
+
+
+def _spec_config(name: str, extra: dict[str, Any] | None) -> dict[str, Any]:
+    return {"method": name, "num_speculative_tokens": 3, **(extra or {})}
+
+
+def _proposer_prompts() -> list[dict]:
+    """Mixed lengths, a shared 20-token prefix (prefix-cache hits), repetitive prompts
+    (n-gram matches), and one long prompt that runs into ``max_model_len``."""
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(10, 200, (20,), generator=gen).tolist()
+    prompts = [shared + torch.randint(10, 200, (n,), generator=gen).tolist() for n in (3, 9, 14)]
+    prompts += [torch.randint(10, 200, (n,), generator=gen).tolist() for n in (6, 27)]
+    prompts += [[11, 12, 13, 14] * 5, [21, 22, 23] * 6 + [21]]
+    prompts.append(torch.randint(10, 200, (40,), generator=gen).tolist())
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _proposer_run(model_dir: str, **kw: Any) -> tuple[list[list[int]], Any]:
+    from pagelm import LLM
+
+    llm = LLM(model_dir, dtype="float32", block_size=4, max_model_len=64, seed=0, **kw)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = _proposer_prompts()
+    # The long prompt runs until max_model_len (its drafts get capped near the end).
+    per_prompt = [params] * (len(prompts) - 1) + [SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)]
+    outs = llm.generate(prompts, per_prompt, use_tqdm=False)
+    core = llm.engine.core
+    assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks, "KV blocks leaked"
+    return [o.outputs[0].token_ids for o in outs], core
+
+
+def check_proposer_engine(
+    name: str, model_dir: str | Path, speculative_config: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Through ``LLM`` with chunked prefill, prefix caching and a KV pool small enough to
+    preempt: greedy tokens equal a plain run's (speculation never changes output), and every
+    block comes back. Returns the run's acceptance counters."""
+    model_dir = str(model_dir)
+    key = (model_dir, "no-speculation")
+    if key not in _ENGINE_BASELINES:
+        _ENGINE_BASELINES[key], _ = _proposer_run(model_dir, enable_prefix_caching=False)
+    tokens, core = _proposer_run(
+        model_dir,
+        speculative_config=_spec_config(name, speculative_config),
+        num_kv_blocks=24,
+        max_num_batched_tokens=20,
+        long_prefill_token_threshold=12,
+        max_num_partial_prefills=2,
+        enable_prefix_caching=True,
+    )
+    assert core.scheduler.num_preemptions > 0, f"{name}: a 24-block pool should have forced preemption"
+    assert core.kv_cache_manager.prefix_cache_stats.hits > 0, f"{name}: the shared prefix was never hit"
+    diff = [i for i, (a, b) in enumerate(zip(tokens, _ENGINE_BASELINES[key])) if a != b]
+    assert not diff, f"{name}: prompts {diff} gave different greedy tokens with speculative decoding"
+    stats = core.scheduler.spec_decoding_stats
+    assert stats.num_drafts > 0, f"{name}: no drafts were ever verified"
+    return {
+        "num_drafts": stats.num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
+        "mean_acceptance_length": stats.mean_acceptance_length,
+    }

@@ -14,13 +14,23 @@ class LogprobsLists:
     logprobs: list[list[float]]
     ranks: list[int]
 
+    def head(self, n: int) -> "LogprobsLists":
+        """The first ``n`` positions (a run of accepted drafts cut short by a stop)."""
+        if n >= len(self.ranks):
+            return self
+        return LogprobsLists(self.token_ids[:n], self.logprobs[:n], self.ranks[:n])
+
 
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
     # One list per request; empty for a request whose prefill chunk did not reach its end.
+    # Several tokens when drafts were verified: the accepted drafts, then the target's token.
     sampled_token_ids: list[list[int]]
     # Per request (None when the request asked for none): logprobs of each sampled token.
     logprobs: list[LogprobsLists | None] = field(default_factory=list)
     # req_id -> prompt logprobs for the prompt tokens this step's chunk predicts.
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Speculative decoding: per request, the drafts proposed for the next step (empty when
+    # none); an empty list overall when speculative decoding is off.
+    draft_token_ids: list[list[int]] = field(default_factory=list)

@@ -1,6 +1,7 @@
 """xgrammar as pagelm's guided-decoding backend: JSON schemas, regexes, choices and EBNF
 grammars compiled with xgrammar's ``GrammarCompiler`` against the model's vocabulary, one
-``GrammarMatcher`` per request, bitmasks filled in parallel by ``BatchGrammarMatcher``.
+``GrammarMatcher`` per request, advanced and filled in batches by ``BatchGrammarMatcher``
+(calls that release the GIL).
 
 xgrammar is imported only when a guided request arrives (``pip install 'pagelm[xgrammar]'``),
 so this module loads, and the engine starts, without it.
@@ -132,11 +133,24 @@ class XgrammarBackend(StructuredOutputBackend):
                 compiled = c.compile_grammar(params.grammar)
         return XgrammarCompiledGrammar(compiled)
 
-    def fill_bitmasks(self, grammars: Sequence[StructuredOutputGrammar], bitmask: torch.Tensor) -> None:
+    def batch_accept_tokens(
+        self, grammars: Sequence[StructuredOutputGrammar], token_ids: Sequence[Sequence[int]]
+    ) -> list[bool]:
+        if len(grammars) == 1 or any(len(tokens) != 1 for tokens in token_ids):  # one, or drafts: a loop
+            return super().batch_accept_tokens(grammars, token_ids)
+        import xgrammar as xgr
+
+        # One call that drops the GIL (a rejected token leaves its matcher as it was).
+        return xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], [t[0] for t in token_ids])
+
+    def fill_bitmasks(
+        self, grammars: Sequence[StructuredOutputGrammar], bitmask: torch.Tensor, rows: Sequence[int] | None = None
+    ) -> None:
         if len(grammars) == 1:
-            grammars[0].fill_bitmask(bitmask, 0)
+            grammars[0].fill_bitmask(bitmask, 0 if rows is None else rows[0])
         else:
-            self.batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+            indices = None if rows is None else list(rows)
+            self.batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, indices)
 
 
 def json_schema_for_xgrammar(spec: str) -> str:

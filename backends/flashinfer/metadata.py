@@ -1,0 +1,275 @@
+"""FlashInfer's per-step work: wrappers planned once per step by the metadata builder and run
+by every layer.
+
+One set of wrappers per distinct layer shape (``AttentionSpec``; a model has one, unless it
+mixes sliding-window and full layers), all sharing one float workspace allocated once:
+
+* ``decode``:  ``BatchDecodeWithPagedKVCacheWrapper`` for the step's leading one-token
+  requests (tensor-core kernels when a KV head serves >= 4 query heads);
+* ``prefill``: ``BatchPrefillWithPagedKVCacheWrapper`` (FA2) for the rest: prefills, chunked
+  prefills over a cached prefix, speculative verification;
+* ``shared``:  cascade attention's top level, a prefill wrapper over the common prefix with
+  every query token of the step as one non-causal row. The two levels meet in
+  ``merge_state_in_place``, which is what ``MultiLevelCascadeAttentionWrapper`` does; its levels
+  pick their kernels with ``backend="auto"`` (FA3 on Hopper: another JIT module and a 64 MiB
+  index buffer per level), so pagelm composes the same two levels from its FA2 wrappers;
+* ``graph_decode[size]``: a decode wrapper per captured batch size, in CUDA-graph mode (fixed
+  index buffers), planned again before every replay by ``prepare_cudagraph_replay``. Graphs
+  hold no cascade: a decode batch with a shared prefix worth more than the graph
+  (``CASCADE_GRAPH_MIN_SAVED_BYTES``) declines it and runs eagerly with cascade.
+
+Page indices are uploaded once per step (one pinned copy); ``indptr`` and ``last_page_len``
+stay on the host, where ``plan`` wants them (it copies them to the device itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagelm.attention import AttentionMetadataBuilder, AttentionSpec, CommonAttentionMetadata
+from pagelm.backends.flashinfer.layout import PageTable, StepLayout, padded_decode_table, step_layout
+
+KV_LAYOUT = "NHD"  # the cache is [num_blocks, 2, block_size, num_kv_heads, head_dim]
+WORKSPACE_BYTES = 256 << 20  # split-KV partials; FlashInfer recommends >= 128 MiB
+INT_WORKSPACE_BYTES = 8 << 20  # the size each FlashInfer wrapper allocates for its own
+# Tensor-core decode (the prefill kernel on one-token rows) pays off once a KV head is shared
+# by enough query heads to fill an MMA tile; below that the CUDA-core decode kernel is faster.
+TENSOR_CORE_MIN_GROUP = 4
+# A decode batch that could replay a CUDA graph gives it up for cascade attention (which runs
+# eagerly) only when cascade spares at least this much KV reading per step: the shared prefix
+# read once instead of once per request. 4 GiB is ~1.4 ms of HBM on an H100, more than an
+# eager step's launch overhead on a small model (a few ms of host time hidden behind that).
+CASCADE_GRAPH_MIN_SAVED_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """The wrappers a layer runs this step (None: that part of the batch is empty)."""
+
+    decode: Any | None  # over tokens [0, num_decode_tokens)
+    prefill: Any | None  # over tokens [num_decode_tokens, num_actual_tokens)
+    shared: Any | None  # cascade top level, over every token
+
+
+@dataclass
+class FlashInferMetadata:
+    num_actual_tokens: int
+    num_decode_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    plans: dict[AttentionSpec, LayerPlan]  # by layer shape
+
+    @property
+    def cascade(self) -> bool:
+        return any(p.shared is not None for p in self.plans.values())
+
+
+class ShapeGroup:
+    """The wrappers of every layer with one ``AttentionSpec``, and how to plan them."""
+
+    def __init__(self, flashinfer, spec: AttentionSpec, dtype: torch.dtype, workspace: torch.Tensor) -> None:
+        self.fi = flashinfer
+        self.spec = spec
+        self.dtype = dtype
+        self.workspace = workspace
+        self.use_tensor_cores = spec.num_heads // spec.num_kv_heads >= TENSOR_CORE_MIN_GROUP
+        # FlashInfer's window is inclusive of the query's own position: w keys = w - 1 to the left.
+        self.window_left = spec.sliding_window - 1 if spec.sliding_window else -1
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, KV_LAYOUT, use_tensor_cores=self.use_tensor_cores
+        )
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, KV_LAYOUT, backend="fa2")
+        self.shared = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, KV_LAYOUT, backend="fa2")
+        self.graph_decode: dict[int, Any] = {}
+        self._graph_int_workspace: torch.Tensor | None = None
+        self._plan_read: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> its last plan was read
+
+    def _plan(self, wrapper, *args, **kwargs) -> None:
+        """``wrapper.plan``, once the GPU has read the wrapper's previous plan: ``plan`` writes
+        its tile schedule into a pinned host buffer and queues an asynchronous copy from it, so a
+        second plan in one step (a draft model's passes build metadata again) must not overwrite
+        that buffer before the first copy ran. Once per step this never waits: the step's host
+        sync has long passed it."""
+        read = self._plan_read.get(id(wrapper))
+        if read is not None:
+            read.synchronize()
+        wrapper.plan(*args, **kwargs)
+        if self.workspace.is_cuda:
+            read = read or torch.cuda.Event()
+            read.record()
+            self._plan_read[id(wrapper)] = read
+
+    def _common_args(self, block_size: int) -> tuple:
+        s = self.spec
+        return (s.num_heads, s.num_kv_heads, s.head_dim, block_size)
+
+    def _host(self, array: np.ndarray) -> torch.Tensor:
+        """A host tensor for ``plan``, which reads it there and copies it to the device
+        asynchronously: pinned (from torch's caching host allocator, which keeps it alive until
+        the copy has run) so that the copy never waits for the stream."""
+        t = torch.from_numpy(array)
+        return t.pin_memory() if self.workspace.is_cuda else t
+
+    def plan_decode(self, wrapper, table: PageTable, indices: torch.Tensor, block_size: int) -> None:
+        self._plan(
+            wrapper, self._host(table.indptr), indices, self._host(table.last_page_len),
+            *self._common_args(block_size),
+            pos_encoding_mode="NONE", window_left=self.window_left, q_data_type=self.dtype,
+            kv_data_type=self.dtype, sm_scale=self.spec.scale,
+        )
+
+    def plan_prefill(
+        self, wrapper, qo_indptr: np.ndarray, table: PageTable, indices: torch.Tensor, block_size: int, causal: bool
+    ) -> None:
+        self._plan(
+            wrapper, self._host(qo_indptr), self._host(table.indptr), indices,
+            self._host(table.last_page_len), *self._common_args(block_size),
+            causal=causal, pos_encoding_mode="NONE", sm_scale=self.spec.scale, window_left=self.window_left,
+            q_data_type=self.dtype, kv_data_type=self.dtype,
+        )
+
+    def graph_wrapper(self, size: int, max_blocks_per_req: int, device: torch.device):
+        """The CUDA-graph decode wrapper for ``size`` requests, made on first use. Its index
+        buffers are fixed (the graph reads them), sized for ``size`` full-width rows."""
+        if size not in self.graph_decode:
+            wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, KV_LAYOUT, use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=device),
+                paged_kv_indices_buffer=torch.zeros(size * max_blocks_per_req, dtype=torch.int32, device=device),
+                paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=device),
+            )
+            # The graphs of one shape share an int workspace (the plan's tile schedule): only
+            # the size about to replay is planned into it, right before it replays.
+            if self._graph_int_workspace is None:
+                self._graph_int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            wrapper.reset_workspace_buffer(self.workspace, self._graph_int_workspace)
+            self.graph_decode[size] = wrapper
+        return self.graph_decode[size]
+
+
+class FlashInferMetadataBuilder(AttentionMetadataBuilder):
+    """Plans the step's wrappers once (``build``), or the graph wrapper of a captured size
+    (``build_for_cudagraph`` at capture, ``prepare_cudagraph_replay`` before each replay)."""
+
+    workspace_bytes: int = WORKSPACE_BYTES
+    cascade_graph_min_saved_bytes: int = CASCADE_GRAPH_MIN_SAVED_BYTES
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.groups: dict[AttentionSpec, ShapeGroup] = {}
+        self.workspace: torch.Tensor | None = None
+        self.kv_bytes_per_token = 0  # K and V of one token, all layers
+        self.num_cascade_steps = 0  # steps that ran cascade attention (read by tests)
+        self.num_graph_plans = 0  # graph wrapper plans: one per captured size, then one per replay
+
+    def bind_layers(self, specs: Sequence[AttentionSpec], dtype: torch.dtype) -> None:
+        try:
+            import flashinfer
+        except ImportError as e:  # installed (validate passed) but broken, e.g. built for another torch
+            raise RuntimeError(
+                f"attention backend 'flashinfer' could not import flashinfer ({e}); reinstall it with "
+                "pip install 'pagelm[flashinfer]' or choose attention_backend='triton'"
+            ) from e
+
+        if self.workspace is None:
+            self.workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+        for spec in dict.fromkeys(specs):
+            group = self.groups.get(spec)
+            if group is None or group.dtype != dtype:
+                self.groups[spec] = ShapeGroup(flashinfer, spec, dtype, self.workspace)
+        self.kv_bytes_per_token = sum(2 * s.num_kv_heads * s.head_dim * dtype.itemsize for s in specs)
+
+    @property
+    def cascade_allowed(self) -> bool:
+        """A window could hide part of the shared prefix from some queries: no cascade then."""
+        return all(g.window_left < 0 for g in self.groups.values())
+
+    # ---- eager steps ---------------------------------------------------------------------
+    def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        assert self.groups, "bind_layers() must be called before build()"
+        bs = common.block_size
+        num_common = common.num_common_prefix_blocks if self.cascade_allowed else 0
+        table = self._host_block_table(common, common.num_reqs)
+        layout = step_layout(common.query_start_loc_cpu.numpy(), common.seq_lens_cpu.numpy(), table, bs, num_common)
+        decode_idx, prefill_idx, shared_idx = self._upload_indices([layout.decode, layout.prefill, layout.shared])
+        plans = {}
+        for spec, g in self.groups.items():
+            if layout.decode is not None:
+                g.plan_decode(g.decode, layout.decode, decode_idx, bs)
+            if layout.prefill is not None:
+                g.plan_prefill(g.prefill, layout.prefill_qo_indptr, layout.prefill, prefill_idx, bs, causal=True)
+            if layout.shared is not None:
+                everyone = np.array([0, common.num_actual_tokens], dtype=np.int32)
+                g.plan_prefill(g.shared, everyone, layout.shared, shared_idx, bs, causal=False)
+            plans[spec] = LayerPlan(
+                g.decode if layout.decode is not None else None,
+                g.prefill if layout.prefill is not None else None,
+                g.shared if layout.shared is not None else None,
+            )
+        self.num_cascade_steps += layout.shared is not None
+        return FlashInferMetadata(common.num_actual_tokens, layout.num_decode_tokens, common.slot_mapping, plans)
+
+    # ---- CUDA graphs ---------------------------------------------------------------------
+    def build_for_cudagraph(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        """Every row a decode through the graph wrapper of this size; the plan made here (on
+        the capture's dummy rows) is redone with real rows before every replay."""
+        assert self.groups, "bind_layers() must be called before graph capture"
+        size = common.num_reqs
+        for g in self.groups.values():
+            g.graph_wrapper(size, common.block_table.shape[1], self.device)
+        self._plan_graph(common, size)
+        plans = {spec: LayerPlan(g.graph_decode[size], None, None) for spec, g in self.groups.items()}
+        return FlashInferMetadata(size, size, common.slot_mapping, plans)
+
+    def prepare_cudagraph_replay(self, common: CommonAttentionMetadata, num_reqs: int) -> bool:
+        """Plan the graph wrapper of ``common.num_reqs`` (the captured size) for this step's
+        ``num_reqs`` real decodes. A batch whose shared prefix is worth it runs eagerly instead,
+        where cascade attention reads the prefix once rather than once per request."""
+        if self.cascade_allowed and common.num_common_prefix_blocks:
+            prefix_tokens = common.num_common_prefix_blocks * common.block_size
+            saved = (num_reqs - 1) * prefix_tokens * self.kv_bytes_per_token
+            if saved >= self.cascade_graph_min_saved_bytes:
+                return False
+        self._plan_graph(common, num_reqs)
+        return True
+
+    def _plan_graph(self, common: CommonAttentionMetadata, num_reqs: int) -> None:
+        size, bs = common.num_reqs, common.block_size
+        table = padded_decode_table(
+            self._host_block_table(common, num_reqs), common.seq_lens_cpu.numpy()[:size], bs, size
+        )
+        (indices,) = self._upload_indices([table])
+        for g in self.groups.values():
+            g.plan_decode(g.graph_decode[size], table, indices, bs)
+        self.num_graph_plans += 1
+
+    # ---- host data -----------------------------------------------------------------------
+    def _host_block_table(self, common: CommonAttentionMetadata, num_rows: int) -> np.ndarray:
+        """The first ``num_rows`` rows of the block table on the host (the runner's copy; a
+        device read, which syncs, only where none was given: graph capture, tests)."""
+        if common.block_table_cpu is not None:
+            return common.block_table_cpu.numpy()[:num_rows]
+        return common.block_table[:num_rows].cpu().numpy()
+
+    def _upload_indices(self, tables: list[PageTable | None]) -> list[torch.Tensor | None]:
+        """Every table's page indices in one host-to-device copy; a device view per table."""
+        present = [t.indices for t in tables if t is not None]
+        host = torch.from_numpy(np.concatenate(present) if present else np.zeros(0, dtype=np.int32))
+        if self.device.type == "cuda":
+            # A pinned copy from torch's caching host allocator, which keeps it alive until the
+            # asynchronous copy has read it.
+            device = host.pin_memory().to(self.device, non_blocking=True)
+        else:
+            device = host.to(self.device)
+        views, offset = [], 0
+        for t in tables:
+            if t is None:
+                views.append(None)
+                continue
+            views.append(device[offset : offset + len(t.indices)])
+            offset += len(t.indices)
+        return views

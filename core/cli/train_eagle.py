@@ -1,0 +1,46 @@
+"""``pagelm train-eagle [--target DIR] --out DIR``: train an EAGLE draft head for a target by
+self-distillation (the target writes its own training text; no dataset, no hub), then serve
+with ``--speculative-config '{"method": "eagle", "num_speculative_tokens": 3, "model": "DIR"}'``.
+Without ``--target``, the built-in demo model."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train-eagle", help="train an EAGLE speculative-decoding head", description=__doc__)
+    p.add_argument("--target", help="target model directory (default: the built-in demo model)")
+    p.add_argument("--out", required=True, type=Path, help="directory to write the head to")
+    p.add_argument("--num-prompts", type=int, default=128, help="prompts the target continues")
+    p.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt")
+    p.add_argument("--gen-len", type=int, default=64, help="tokens the target writes per prompt")
+    p.add_argument("--prompts-file", type=Path, help="text prompts, one per line (default: stdlib snippets)")
+    p.add_argument("--temperature", type=float, default=0.0, help="the target's sampling temperature")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--max-seconds", type=float, default=None, help="stop training after this long")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagelm.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
+
+    target = args.target
+    if target is None:
+        from pagelm.demo_model import ensure_demo_model
+
+        target = ensure_demo_model()
+    prompts = None
+    if args.prompts_file is not None:
+        prompts = [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+    cfg = EagleTrainConfig(
+        num_prompts=args.num_prompts, prompt_len=args.prompt_len, gen_len=args.gen_len,
+        temperature=args.temperature, steps=args.steps, max_seconds=args.max_seconds, lr=args.lr,
+        batch_size=args.batch_size, seed=args.seed, prompts=prompts,
+    )
+    train_eagle_head(target, args.out, cfg)
+    return 0

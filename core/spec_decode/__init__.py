@@ -1,0 +1,9 @@
+"""Speculative decoding: the ``Proposer`` ABC that draft plugins implement (``ngram``,
+``eagle``), ``speculative_config`` parsing, acceptance counters, and the EAGLE head trainer
+(``pagelm train-eagle``). Verification is ``pagelm.sample.rejection_sampler``."""
+
+from pagelm.spec_decode.config import SpeculativeConfig
+from pagelm.spec_decode.proposer import ProposalBatch, Proposer
+from pagelm.spec_decode.stats import SpecDecodingStats
+
+__all__ = ["ProposalBatch", "Proposer", "SpecDecodingStats", "SpeculativeConfig"]

@@ -1,0 +1,64 @@
+"""``speculative_config``: which proposer drafts tokens, and how many per step.
+
+Given as a plain mapping (``LLM(..., speculative_config={...})``, ``--speculative-config JSON``,
+a YAML key) with vLLM's names::
+
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    {"method": "eagle", "num_speculative_tokens": 3, "model": "/path/to/eagle-head"}
+
+Shapes and types are checked here, with the rest of the engine config; whether ``method`` is
+registered, and what that proposer needs (``model`` for EAGLE), is checked at engine
+start-up, before any weight is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_KNOWN = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    # ngram (prompt lookup): longest and shortest suffix to look up (vLLM's defaults: 5 and 5).
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    # Draft model directory (EAGLE head).
+    model: str | None = None
+    # Other keys, for third-party proposers (they check them in ``Proposer.validate``).
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "SpeculativeConfig":
+        """Parse and check the mapping; ``ValueError`` names the offending key."""
+        if isinstance(raw, SpeculativeConfig):
+            return raw
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative_config must be a mapping, got {type(raw).__name__}")
+        method = raw.get("method")
+        if not isinstance(method, str) or not method:
+            raise ValueError(f"speculative_config.method must name a proposer (e.g. 'ngram', 'eagle'), got {method!r}")
+        k = raw.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            value = raw.get(name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+        model = raw.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"speculative_config.model must be a path, got {model!r}")
+        return cls(
+            method=method,
+            num_speculative_tokens=k,
+            prompt_lookup_max=raw.get("prompt_lookup_max"),
+            prompt_lookup_min=raw.get("prompt_lookup_min"),
+            model=model,
+            options={key: value for key, value in raw.items() if key not in _KNOWN},
+        )
+
+    def describe(self) -> str:
+        return f"{self.method}(k={self.num_speculative_tokens})"

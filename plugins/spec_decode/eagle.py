@@ -1,0 +1,145 @@
+"""``eagle``: an EAGLE head drafts ``k`` tokens from the target's hidden states (chain
+drafting, greedy). ``speculative_config={"method": "eagle", "num_speculative_tokens": k,
+"model": "<head dir>"}``; ``pagelm train-eagle`` makes a head for any target.
+
+Every step, after verification (positions ``p`` of the step; ``p*`` = a request's last
+verified position, ``s`` = the token the target just sampled after it)::
+
+    pass 1   all of the step's positions p:  head(token p+1, target hidden f_p) -> g_p
+             (writes the head's KV at the step's slots; at p*: token s)     g_p* -> d1
+    pass j   drafting requests, one token:   head(d_{j-1}, g) at position p* + j - 1 -> d_j
+
+Rejected positions are processed like any other in pass 1; the rows past ``p*`` are unused,
+and the KV they leave is overwritten when those positions are computed again, exactly like
+the target's. Drafts are the head's argmax (a one-hot proposal), which the rejection
+sampler verifies exactly, for greedy and sampled requests alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagelm import hookimpl
+from pagelm.attention import ForwardContext, attention_layers, forward_context
+from pagelm.model_loader import iterate_weights
+from pagelm.plugin_manager import get_plugin_manager
+from pagelm.spec_decode import ProposalBatch, Proposer
+
+PAGELM_PLUGIN_API = "1.0"
+
+
+class EagleProposer(Proposer):
+    name = "eagle"
+    uses_token_ids = False
+
+    def __init__(self, config, target: nn.Module, device, dtype) -> None:
+        super().__init__(config, target, device, dtype)
+        self.target = target
+        self.head = load_eagle_head(Path(self.speculative.model).expanduser(), target, device, dtype)
+
+    @classmethod
+    def validate(cls, config) -> list[str]:
+        model = config.speculative.model
+        if not model:
+            return ["eagle needs 'model': the directory of an EAGLE head (config.json and weights; "
+                    "`pagelm train-eagle --target MODEL --out DIR` makes one)"]
+        path = Path(model).expanduser()
+        if not (path / "config.json").is_file():
+            return [f"model={model!r} is not an EAGLE head directory (no config.json)"]
+        if not list(path.glob("*.safetensors")) and not (path / "pytorch_model.bin").is_file():
+            return [f"model={model!r} has no weights (*.safetensors or pytorch_model.bin)"]
+        return []
+
+    @classmethod
+    def num_lookahead_slots(cls, config) -> int:
+        # Drafting writes the head's KV up to k - 1 positions past the verified ones.
+        return config.speculative.num_speculative_tokens
+
+    def attention_layers(self):
+        return attention_layers(self.head)
+
+    def propose(self, batch: ProposalBatch) -> list[list[int]]:
+        device = batch.hidden_states.device
+        drafts: list[list[int]] = [[] for _ in range(batch.num_reqs)]
+        last = torch.from_numpy(batch.last_token_index).to(device)
+        input_ids = torch.roll(batch.input_ids, -1)  # position p reads token p+1
+        input_ids[last] = torch.from_numpy(batch.next_token_ids).to(device)
+        with forward_context(ForwardContext(attn_metadata=batch.build_attention_metadata(batch.common))):
+            hidden = self.head(input_ids, batch.positions, batch.hidden_states)
+
+        want = np.flatnonzero(batch.max_num_drafts > 0)
+        if len(want) == 0:
+            return drafts
+        caps = batch.max_num_drafts[want]
+        hidden = hidden[last[torch.from_numpy(want).to(device)]]
+        tokens = self.target.compute_logits(hidden).argmax(dim=-1)
+        out = torch.zeros((len(want), int(caps.max())), dtype=torch.long, device=device)
+        out[:, 0] = tokens
+        active = np.arange(len(want))  # indices into `want` still drafting
+        for j in range(1, int(caps.max())):
+            keep = np.flatnonzero(caps[active] > j)
+            keep_t = torch.from_numpy(keep).to(device)
+            active, hidden, tokens = active[keep], hidden[keep_t], tokens[keep_t]
+            positions = batch.last_token_position[want[active]] + j
+            metadata = batch.decode_attention_metadata(want[active], positions)
+            with forward_context(ForwardContext(attn_metadata=metadata)):
+                hidden = self.head(tokens, torch.from_numpy(positions).to(device), hidden)
+            tokens = self.target.compute_logits(hidden).argmax(dim=-1)
+            out[torch.from_numpy(active).to(device), j] = tokens
+        for i, row, cap in zip(want.tolist(), out.tolist(), caps.tolist()):
+            drafts[i] = row[:cap]
+        return drafts
+
+
+def load_eagle_head(path: Path, target: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Build the head ``Eagle<architecture>`` for ``path``'s config.json, load its weights and
+    give it the target's embedding (unless it has its own)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    weights = dict(_iterate_weights(path))
+    names = {name.removeprefix("model.") for name in weights}
+    config.eagle_fc_bias = "fc.bias" in names
+    config.eagle_input_layernorm = "layers.0.input_layernorm.weight" in names
+    config.eagle_own_embedding = "embed_tokens.weight" in names
+    arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+    head_cls = get_plugin_manager().models().get(arch if arch.startswith("Eagle") else f"Eagle{arch}")
+    with torch.device(device), _default_dtype(dtype):
+        head = head_cls(config)
+    loaded = head.load_weights(weights.items())
+    if not config.eagle_own_embedding:
+        embed = getattr(target, "get_input_embeddings", None)
+        head.share_embedding(embed() if embed is not None else target.model.embed_tokens)
+    missing = sorted(
+        n for n, _ in head.named_parameters() if n not in loaded and (config.eagle_own_embedding or not n.startswith("embed_tokens."))
+    )
+    if missing:
+        raise ValueError(f"EAGLE head {path}: weights missing: {missing[:8]}")
+    return head.eval()
+
+
+def _iterate_weights(path: Path):
+    if list(path.glob("*.safetensors")):
+        yield from iterate_weights(path)
+        return
+    yield from torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True).items()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@hookimpl
+def pagelm_register_proposers(registry) -> None:
+    registry.add(EagleProposer.name, EagleProposer)

@@ -1,0 +1,38 @@
+"""Prompt lookup (the ``ngram`` proposer): the longest suffix that occurred before, at its
+latest occurrence, proposes what followed it; a short continuation repeats with its period."""
+
+import numpy as np
+
+from pagelm.plugins.spec_decode.ngram import ngram_drafts
+
+
+def drafts(rows, min_n=1, max_n=3, k=3):
+    width = max(len(r) for r in rows)
+    tokens = np.zeros((len(rows), width), dtype=np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    out, num = ngram_drafts(tokens, np.array([len(r) for r in rows]), min_n, max_n, k)
+    return [row[:n] for row, n in zip(out.tolist(), num.tolist())]
+
+
+def test_the_longest_suffix_wins():
+    # "3" alone last occurred before 9; "2 3" occurred before 4 5 6.
+    assert drafts([[1, 2, 3, 4, 5, 6, 3, 9, 8, 2, 3]]) == [[4, 5, 6]]
+
+
+def test_the_latest_occurrence_of_a_suffix_wins():
+    assert drafts([[5, 6, 1, 5, 6, 2, 7, 7, 5, 6]], max_n=2) == [[2, 7, 7]]
+
+
+def test_a_repeating_pattern_is_extended_with_its_period():
+    assert drafts([[9, 4, 8, 4, 8, 4]], k=4) == [[8, 4, 8, 4]]
+
+
+def test_no_match_below_the_minimum_length_proposes_nothing():
+    assert drafts([[1, 2, 3, 9, 3]], min_n=2, max_n=3) == [[]]
+    assert drafts([[1, 2, 3, 9, 3]], min_n=1, max_n=3) == [[9, 3, 9]]
+
+
+def test_rows_of_a_batch_are_independent_and_padding_never_matches():
+    rows = [[7, 1, 2, 7], [3, 0, 0, 0, 0, 0, 0, 3], [0]]
+    assert drafts(rows, k=2) == [[1, 2], [0, 0], []]
