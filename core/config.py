@@ -45,8 +45,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Cascade attention: when every request of a step shares at least this many leading,
     # already-cached KV blocks (many requests over one system prompt), a backend that supports
-    # it (flashinfer) attends them once for the whole batch. 0 turns it off.
-    cascade_attention_min_blocks: int = 16
+    # it (flashinfer) attends them once for the whole batch. 0 (the default) turns it off:
+    # cascade steps run eagerly, which measured 3x slower than graph replays on the
+    # shared-prefix benchmark, until cascade decode is captured in graphs.
+    cascade_attention_min_blocks: int = 0
     load_format: str = "auto"
     # None: CUDA graphs for decode when the device and the attention backend allow them;
     # True: never; False: required (a backend that is not graph safe is then an error).

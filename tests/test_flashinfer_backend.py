@@ -16,6 +16,7 @@ import torch
 import fake_flashinfer
 from pagelm import LLM, SamplingParams
 from pagelm.attention import AttentionSpec, CommonAttentionMetadata
+from pagelm.attention import selector
 from pagelm.attention.selector import select_attention_backend
 from pagelm.backends.flashinfer import FlashInferAttentionBackend
 from pagelm.backends.flashinfer import backend as fi_backend
@@ -195,15 +196,15 @@ def test_auto_on_cpu_picks_torch_and_logs_it(caplog):
     assert "attention_backend=auto: using 'torch' on cpu" in caplog.text
 
 
-def test_auto_on_cuda_prefers_flashinfer_and_falls_back_to_triton(monkeypatch, caplog):
+def test_auto_on_cuda_prefers_triton_then_flashinfer(monkeypatch, caplog):
     pytest.importorskip("triton")
     monkeypatch.setattr(fi_backend, "flashinfer_installed", lambda: True)
-    assert _auto("cuda").name == "flashinfer"
-    assert _auto("cuda", torch.float32).name == "triton"  # FlashInfer has no float32 kernels
-    monkeypatch.setattr(fi_backend, "flashinfer_installed", lambda: False)
     with caplog.at_level(logging.INFO, logger="pagelm"):
         assert _auto("cuda").name == "triton"
     assert "using 'triton' on cuda" in caplog.text
+    monkeypatch.setattr(selector, "AUTO_ORDER", {"cuda": ("flashinfer", "triton", "torch")})
+    assert _auto("cuda").name == "flashinfer"
+    assert _auto("cuda", torch.float32).name == "triton"  # FlashInfer has no float32 kernels
 
 
 def test_cascade_threshold_is_validated_and_is_an_engine_flag():

@@ -314,8 +314,8 @@ def test_cascade_on_and_off_give_the_same_tokens(head128_model):
     assert_same_greedy(off, on, ("cascade off", "cascade on"))
 
 
-def test_auto_picks_flashinfer_on_this_gpu_and_logs_it(head128_model, caplog):
+def test_auto_picks_triton_on_this_gpu_and_logs_it(head128_model, caplog):
     with caplog.at_level(logging.INFO, logger="pagelm"):
         _, stats = _generate(head128_model, _prompts(2, seed=5), max_tokens=2)
-    assert stats["backend"] == "flashinfer"
-    assert "attention_backend=auto: using 'flashinfer' on cuda" in caplog.text
+    assert stats["backend"] == "triton"
+    assert "attention_backend=auto: using 'triton' on cuda" in caplog.text

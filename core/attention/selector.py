@@ -11,8 +11,10 @@ from pagelm.attention.backend import AttentionBackend, AttentionSpec
 
 logger = logging.getLogger("pagelm")
 
-# Best first. FlashInfer, when its plugin is installed, is preferred on CUDA.
-AUTO_ORDER = {"cuda": ("flashinfer", "triton", "torch"), "cpu": ("torch",)}
+# Best first. On an H200 (docs/benchmarks.md) triton decodes faster at batch 1 and 32 than
+# flashinfer (which re-plans before every graph replay) and needs no JIT compile on a fresh
+# machine; flashinfer wins large offline batches and is one config key away.
+AUTO_ORDER = {"cuda": ("triton", "flashinfer", "torch"), "cpu": ("torch",)}
 
 
 def select_attention_backend(
