@@ -577,11 +577,6 @@ def test_guided_params_cross_the_engine_core_wire_format():
     assert request.sampling_params.guided_decoding.spec == '{"type":"object","properties":{"b":{},"a":{}}}'
 
 
-def test_guided_decoding_with_the_ngram_proposer():
-    pytest.skip("speculative decoding (the ngram proposer) does not exist yet; "
-                "StructuredOutputGrammar.validate_tokens and rollback are its seam")
-
-
 def test_json_object_accepts_any_object_and_nothing_else(backend):
     xgr_backend, tokenizer = backend
     compiled = xgr_backend.compile(GuidedDecodingParams(json_object=True))
