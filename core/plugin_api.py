@@ -19,7 +19,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-PLUGIN_API_VERSION = "1.0"
+# 1.1 added the pagelm_register_proposers and pagelm_register_structured_output_backends
+# hooks and the optional AttentionMetadataBuilder methods (build_for_cudagraph,
+# prepare_cudagraph_replay, bind_layers).
+PLUGIN_API_VERSION = "1.1"
 PLUGIN_API_ATTRIBUTE = "PAGELM_PLUGIN_API"
 
 _VERSION_RE = re.compile(r"^(\d+)(?:\.(\d+))?$")

@@ -141,18 +141,19 @@ def test_declared_api_version_is_recorded(tmp_path, monkeypatch):
         warnings.simplefilter("error")  # a declaring plugin loads without a warning
         pm.load_entry_points()
     assert pm.loaded["pagelm_lifo"].api_version == "1.0"
-    assert pm.loaded["fcfs"].api_version == PLUGIN_API_VERSION
+    assert pm.loaded["fcfs"].api_version == "1.0"  # written against 1.0, loads on a newer minor
+    assert pm.loaded["ngram"].api_version == PLUGIN_API_VERSION == "1.1"
 
 
 def test_plugin_for_another_major_api_is_rejected_naming_both_versions(tmp_path, monkeypatch):
     install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("2.0"))
-    with pytest.raises(PluginLoadError, match=r"'pagelm_lifo'.*incompatible.*plugin API 2\.0.*provides plugin API 1\.0"):
+    with pytest.raises(PluginLoadError, match=r"'pagelm_lifo'.*incompatible.*plugin API 2\.0.*provides plugin API 1\.1"):
         PluginManager().load_entry_points()
 
 
 def test_plugin_needing_a_newer_minor_api_is_rejected(tmp_path, monkeypatch):
     install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("1.7"))
-    with pytest.raises(PluginLoadError, match=r"declares plugin API 1\.7, newer than this pagelm's plugin API 1\.0"):
+    with pytest.raises(PluginLoadError, match=r"declares plugin API 1\.7, newer than this pagelm's plugin API 1\.1"):
         PluginManager().load_entry_points()
 
 
@@ -241,4 +242,4 @@ def test_cli_table_names_the_columns(capsys):
     assert cli_main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert out.split()[:7] == ["name", "kind", "registers", "package", "version", "api", "status"]
-    assert "pagelm plugin API 1.0" in out
+    assert "pagelm plugin API 1.1" in out

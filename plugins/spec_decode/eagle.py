@@ -30,7 +30,7 @@ from pagelm.model_loader import iterate_weights
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.spec_decode import ProposalBatch, Proposer
 
-PAGELM_PLUGIN_API = "1.0"
+PAGELM_PLUGIN_API = "1.1"
 
 
 class EagleProposer(Proposer):

@@ -27,7 +27,7 @@ from pagelm import hookimpl
 from pagelm.sampling_params import GuidedDecodingParams
 from pagelm.structured_output import CompiledGrammar, StructuredOutputBackend, StructuredOutputGrammar
 
-PAGELM_PLUGIN_API = "1.0"
+PAGELM_PLUGIN_API = "1.1"
 
 _SETTINGS = {"any_whitespace": bool, "max_whitespace_cnt": int, "compile_threads": int}
 _WHAT = {"json": "JSON schema", "regex": "regex", "grammar": "EBNF grammar", "choice": "choice"}
