@@ -59,9 +59,14 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states)
-        q, k = self.normalize_qk(q, k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.position_qk(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
+
+    def position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """What q and k go through before attention: the model's q/k normalisation (none
+        here), then rotary."""
+        q, k = self.normalize_qk(q, k)
+        return self.rotary_emb(positions, q, k)
 
 
 class LlamaMLP(nn.Module):

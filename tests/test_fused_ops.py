@@ -185,6 +185,31 @@ def test_rotary_at_position_zero_is_identity():
     assert torch.equal(qkv, before)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_qk_norm_and_rotary_in_one_kernel_match_norm_then_rotary(dtype, head_dim):
+    """Qwen3's q_norm / k_norm then RoPE in one launch: the eager three-step result, within
+    the per-head RMSNorm's one-ulp sum-order difference (which the rotation may carry to 2)."""
+    num_heads, num_kv_heads = 4, 2
+    qkv, q, k, _ = fused_qkv(5, num_heads, num_kv_heads, head_dim, dtype)
+    positions = torch.tensor([0, 63, 7, 7, 30], device=DEVICE)
+    cache = cos_sin_cache(64, head_dim)
+    q_w = randn(head_dim, dtype=dtype, scale=1.0)
+    k_w = randn(head_dim, dtype=dtype, seed=1, scale=1.0)
+    expected_q, expected_k = ops.qk_norm_rotary_embedding(
+        positions, q.clone(), k.clone(), q_w, k_w, 1e-6, cache, head_dim, use_triton=False
+    )
+    out_q, out_k = ops.qk_norm_rotary_embedding(positions, q, k, q_w, k_w, 1e-6, cache, head_dim, use_triton=True)
+    assert out_q.data_ptr() == q.data_ptr()
+    tol = 0 if dtype == torch.float32 else 2
+    if dtype == torch.float32:
+        torch.testing.assert_close(out_q, expected_q, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out_k, expected_k, rtol=1e-6, atol=1e-6)
+    else:
+        assert_matches(out_q, expected_q, max_ulp=tol)
+        assert_matches(out_k, expected_k, max_ulp=tol)
+
+
 # ---------------------------------------------------------------------------------------------
 # SiLU and mul
 # ---------------------------------------------------------------------------------------------

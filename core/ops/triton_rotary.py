@@ -22,8 +22,9 @@ from pagelm.ops.triton_common import is_interpreted, round_to
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, stride_tok, stride_head, num_heads, tok, cos, sin,
+    x_ptr, stride_tok, stride_head, num_heads, tok, cos, sin, norm_w_ptr, eps,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     dims = tl.arange(0, HALF_PAD)
     for h0 in range(0, num_heads, BLOCK_H):
@@ -34,6 +35,17 @@ def _rotate_heads(
         x2 = tl.load(first + HALF, mask=mask, other=0.0)
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)
+        if NORM:
+            # Per-head RMSNorm first (Qwen3's q_norm / k_norm; rotary covers the whole head):
+            # normalise in float32, round to the model dtype, scale by the weight in that
+            # dtype, exactly the steps of the eager RMSNorm the rotation would otherwise read.
+            inv_rms = 1.0 / tl.sqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)
+            w1 = tl.load(norm_w_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(norm_w_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+            a = round_to(round_to(a * inv_rms[:, None], x1.dtype, INTERPRETED).to(tl.float32) * w1,
+                         x1.dtype, INTERPRETED).to(tl.float32)
+            b = round_to(round_to(b * inv_rms[:, None], x1.dtype, INTERPRETED).to(tl.float32) * w2,
+                         x1.dtype, INTERPRETED).to(tl.float32)
         tl.store(first, round_to(a * cos - b * sin, x1.dtype, INTERPRETED), mask=mask)
         tl.store(first + HALF, round_to(b * cos + a * sin, x1.dtype, INTERPRETED), mask=mask)
 
@@ -50,10 +62,14 @@ def _rotary_kernel(
     stride_k_head,
     num_q_heads,
     num_k_heads,
+    q_norm_w_ptr,
+    k_norm_w_ptr,
+    eps,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
@@ -62,10 +78,12 @@ def _rotary_kernel(
     cos = tl.load(cache_row + dims, mask=dims < HALF, other=0.0)[None, :]
     sin = tl.load(cache_row + HALF + dims, mask=dims < HALF, other=0.0)[None, :]
     _rotate_heads(
-        q_ptr, stride_q_tok, stride_q_head, num_q_heads, tok, cos, sin, HALF, HALF_PAD, BLOCK_H, INTERPRETED
+        q_ptr, stride_q_tok, stride_q_head, num_q_heads, tok, cos, sin, q_norm_w_ptr, eps,
+        HALF, HALF_PAD, BLOCK_H, INTERPRETED, NORM,
     )
     _rotate_heads(
-        k_ptr, stride_k_tok, stride_k_head, num_k_heads, tok, cos, sin, HALF, HALF_PAD, BLOCK_H, INTERPRETED
+        k_ptr, stride_k_tok, stride_k_head, num_k_heads, tok, cos, sin, k_norm_w_ptr, eps,
+        HALF, HALF_PAD, BLOCK_H, INTERPRETED, NORM,
     )
 
 
@@ -88,16 +106,20 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,
     head_dim: int,
     rotary_dim: int,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`pagelm.ops.reference.rotary_embedding`, but rotates q and k
-    in place and returns them."""
+    in place and returns them. ``qk_norm=(q_weight, k_weight, eps)`` first applies a per-head
+    RMSNorm (one launch instead of three; needs ``rotary_dim == head_dim``)."""
     num_tokens = positions.numel()
     assert positions.is_contiguous() and q.shape[0] == k.shape[0] == num_tokens
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[-1] == rotary_dim
     assert cos_sin_cache.is_contiguous() and rotary_dim % 2 == 0 and rotary_dim <= head_dim
     if num_tokens == 0:
         return q, k
+    assert qk_norm is None or rotary_dim == head_dim, "fused q/k norm needs full-head rotary"
     q_heads, k_heads = _heads(q, num_tokens, head_dim), _heads(k, num_tokens, head_dim)
+    q_norm_w, k_norm_w, eps = qk_norm if qk_norm is not None else (q_heads, k_heads, 0.0)
     half = rotary_dim // 2
     half_pad = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(max(q_heads.shape[1], k_heads.shape[1])), max(1, _TILE // half_pad))
@@ -112,10 +134,14 @@ def rotary_embedding(
         k_heads.stride(1),
         q_heads.shape[1],
         k_heads.shape[1],
+        q_norm_w,
+        k_norm_w,
+        eps,
         HALF=half,
         HALF_PAD=half_pad,
         BLOCK_H=block_h,
         INTERPRETED=INTERPRETED,
+        NORM=qk_norm is not None,
         num_warps=4,
         enable_fp_fusion=False,
     )
