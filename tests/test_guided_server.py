@@ -4,14 +4,11 @@ are 400s naming the parameter."""
 
 import json
 import re
-import subprocess
-import time
 
-import httpx
 import jsonschema
 import openai
 import pytest
-from test_server import free_port, pagelm_cmd
+from test_server import running_server
 
 SCHEMA = {
     "type": "object",
@@ -23,34 +20,12 @@ MESSAGES = [{"role": "user", "content": "Give me a record."}]
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    port = free_port()
-    proc = subprocess.Popen(
-        pagelm_cmd(
-            "serve", str(llama_dir), "--port", str(port), "--served-model-name", "tiny", "--num-kv-blocks", "256",
-            "--max-model-len", "512", "--no-access-log",
-            # The random model would write whitespace between JSON tokens for a long time.
-            "--plugin-config", '{"xgrammar": {"any_whitespace": false}}',
-        ),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.time() < deadline, "server did not come up"
-        time.sleep(0.2)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    with running_server(
+        str(llama_dir), "--served-model-name", "tiny", "--num-kv-blocks", "256", "--max-model-len", "512",
+        # The random model would write whitespace between JSON tokens for a long time.
+        "--plugin-config", '{"xgrammar": {"any_whitespace": false}}',
+    ) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

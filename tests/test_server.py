@@ -2,8 +2,8 @@
 and the official `openai` client."""
 
 import asyncio
+import contextlib
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -28,14 +28,13 @@ def pagelm_cmd(*args: str) -> list[str]:
     return [sys.executable, "-c", "import sys; from pagelm.cli import main; sys.exit(main())", *args]
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir):
+@contextlib.contextmanager
+def running_server(*serve_args: str):
+    """``pagelm serve *serve_args`` on a free port of 127.0.0.1: yields its base URL once
+    /health answers 200, and stops it afterwards."""
     port = free_port()
     proc = subprocess.Popen(
-        pagelm_cmd(
-            "serve", str(llama_dir), "--port", str(port), "--api-key", API_KEY, "--served-model-name", MODEL,
-            "--num-kv-blocks", "512", "--max-model-len", "512", "--log-stats-interval", "1", "--no-access-log",
-        ),
+        pagelm_cmd("serve", *serve_args, "--port", str(port), "--no-access-log"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -49,13 +48,24 @@ def server(llama_dir):
             pass
         assert time.time() < deadline, "server did not come up"
         time.sleep(0.2)
-    yield url
-    proc.terminate()
     try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    with running_server(
+        str(llama_dir), "--api-key", API_KEY, "--served-model-name", MODEL,
+        "--num-kv-blocks", "512", "--max-model-len", "512", "--log-stats-interval", "1",
+    ) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
