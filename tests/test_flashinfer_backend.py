@@ -22,6 +22,7 @@ from pagelm.backends.flashinfer import FlashInferAttentionBackend
 from pagelm.backends.flashinfer import backend as fi_backend
 from pagelm.backends.flashinfer.layout import padded_decode_table, page_table, step_layout
 from pagelm.backends.torch import TorchAttentionBackend
+from pagelm.testing.conformance import paged_metadata
 from pagelm.config import EngineConfig
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.worker.model_runner import common_prefix_blocks
@@ -89,26 +90,16 @@ def run_against_torch(seqs, num_heads, num_kv_heads, head_dim, block_size, *, dt
     def step(ranges, num_common, queries=True):
         """One forward over (request, first position, end position) ranges (zero queries
         when ``queries`` is False: the first step only fills the caches)."""
-        slots, qsl, lens = [], [0], []
-        for i, lo, hi in ranges:
-            pos = torch.arange(lo, hi)
-            slots.append(block_table[i, pos // block_size].long() * block_size + pos % block_size)
-            qsl.append(qsl[-1] + hi - lo)
-            lens.append(hi)
-        qsl_t, lens_t = torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
         rows = block_table[[i for i, _, _ in ranges]]
-        common = CommonAttentionMetadata(
-            num_reqs=len(ranges), num_actual_tokens=qsl[-1], max_query_len=max(h - l for _, l, h in ranges),
-            max_seq_len=max(lens), query_start_loc=qsl_t.to(device), seq_lens=lens_t.to(device),
-            block_table=rows.to(device), slot_mapping=torch.cat(slots).to(device),
-            query_start_loc_cpu=qsl_t, seq_lens_cpu=lens_t, block_size=block_size,
+        common = paged_metadata(
+            rows, [(lo, hi) for _, lo, hi in ranges], block_size, device,
             block_table_cpu=rows if host_block_table else None, num_common_prefix_blocks=num_common,
         )
         k, v = (torch.cat([qkv[i][j][lo:hi] for i, lo, hi in ranges]).flatten(1).to(device, dtype) for j in (1, 2))
         if queries:
             q = torch.cat([qkv[i][0] for i, _, _ in ranges]).flatten(1).to(device, dtype)
         else:
-            q = torch.zeros(qsl[-1], num_heads * head_dim, device=device, dtype=dtype)
+            q = torch.zeros(common.num_actual_tokens, num_heads * head_dim, device=device, dtype=dtype)
         outs, mds = {}, {}
         for name, (impl, builder, cache) in runs.items():
             mds[name] = builder.build(common)

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from pagelm.attention import AttentionSpec, CommonAttentionMetadata
+from pagelm.attention import AttentionSpec
+from pagelm.testing.conformance import paged_metadata
 from pagelm.backends.torch import TorchAttentionBackend
 
 
@@ -51,20 +52,12 @@ def run_paged(seqs, num_heads, num_kv_heads, head_dim, block_size, window=None, 
     block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
     def step(ranges):
-        qs, ks, vs, slots, qsl, lens = [], [], [], [], [0], []
+        qs, ks, vs = [], [], []
         for i, (lo, hi) in enumerate(ranges):
             q, k, v = full[i]
             qs.append(q[lo:hi]); ks.append(k[lo:hi]); vs.append(v[lo:hi])
-            pos = torch.arange(lo, hi)
-            slots.append(block_table[i, pos // block_size].long() * block_size + pos % block_size)
-            qsl.append(qsl[-1] + hi - lo)
-            lens.append(hi)
-        qsl_t, lens_t = torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
-        common = CommonAttentionMetadata(
-            num_reqs=len(ranges), num_actual_tokens=qsl[-1], max_query_len=max(h - l for l, h in ranges),
-            max_seq_len=max(lens), query_start_loc=qsl_t, seq_lens=lens_t, block_table=block_table,
-            slot_mapping=torch.cat(slots), query_start_loc_cpu=qsl_t, seq_lens_cpu=lens_t, block_size=block_size,
-        )
+        common = paged_metadata(block_table, ranges, block_size, torch.device("cpu"))
+        qsl = common.query_start_loc_cpu.tolist()
         md = TorchAttentionBackend.make_metadata_builder(torch.device("cpu")).build(common)
         out = impl.forward(
             torch.cat(qs).flatten(1), torch.cat(ks).flatten(1), torch.cat(vs).flatten(1), cache, md

@@ -20,7 +20,8 @@ import torch
 pytest.importorskip("triton")
 
 from pagelm import LLM, SamplingParams  # noqa: E402
-from pagelm.attention import AttentionSpec, CommonAttentionMetadata  # noqa: E402
+from pagelm.attention import AttentionSpec  # noqa: E402
+from pagelm.testing.conformance import paged_metadata  # noqa: E402
 from pagelm.backends.torch import TorchAttentionBackend  # noqa: E402
 from pagelm.backends.triton import TritonAttentionBackend  # noqa: E402
 from pagelm.backends.triton.backend import TritonMetadataBuilder  # noqa: E402
@@ -98,19 +99,7 @@ def run_both(seqs, num_heads, num_kv_heads, head_dim, block_size, *, dtype=torch
     }
 
     def step(ranges):
-        slots, qsl, lens = [], [0], []
-        for i, (lo, hi) in enumerate(ranges):
-            pos = torch.arange(lo, hi)
-            slots.append(block_table[i, pos // block_size].long() * block_size + pos % block_size)
-            qsl.append(qsl[-1] + hi - lo)
-            lens.append(hi)
-        qsl_t, lens_t = torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
-        common = CommonAttentionMetadata(
-            num_reqs=len(ranges), num_actual_tokens=qsl[-1], max_query_len=max(h - l for l, h in ranges),
-            max_seq_len=max(lens), query_start_loc=qsl_t.to(DEVICE), seq_lens=lens_t.to(DEVICE),
-            block_table=block_table.to(DEVICE), slot_mapping=torch.cat(slots).to(DEVICE),
-            query_start_loc_cpu=qsl_t, seq_lens_cpu=lens_t, block_size=block_size,
-        )
+        common = paged_metadata(block_table, ranges, block_size, DEVICE)
         q, k, v = (torch.cat([x[j][lo:hi] for x, (lo, hi) in zip(qkv, ranges)]).flatten(1) for j in range(3))
         outs, mds = {}, {}
         for name, (impl, bld, cache) in runs.items():

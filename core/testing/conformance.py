@@ -55,6 +55,7 @@ __all__ = [
     "check_proposer",
     "check_proposer_engine",
     "check_scheduling_policy",
+    "paged_metadata",
 ]
 
 _BLOCK_SIZE = 4
@@ -330,22 +331,11 @@ def _paged_attention(backend, spec: AttentionSpec, seqs, block_size: int, device
     def step(ranges: list[tuple[int, int, int]]) -> torch.Tensor:
         """One forward over (request index, first position, end position) ranges."""
         parts: list[list[torch.Tensor]] = [[], [], []]
-        slots, qsl, lens = [], [0], []
         for i, lo, hi in ranges:
             for part, t in zip(parts, qkv[i]):
                 part.append(t[lo:hi])
-            pos = torch.arange(lo, hi)
-            slots.append(block_table[i, pos // block_size].long() * block_size + pos % block_size)
-            qsl.append(qsl[-1] + hi - lo)
-            lens.append(hi)
-        qsl_cpu, lens_cpu = torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
         rows = block_table[[i for i, _, _ in ranges]]
-        common = CommonAttentionMetadata(
-            num_reqs=len(ranges), num_actual_tokens=qsl[-1], max_query_len=max(h - l for _, l, h in ranges),
-            max_seq_len=max(lens), query_start_loc=qsl_cpu.to(device), seq_lens=lens_cpu.to(device),
-            block_table=rows.to(device), slot_mapping=torch.cat(slots).to(device),
-            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=lens_cpu, block_size=block_size,
-        )
+        common = paged_metadata(rows, [(lo, hi) for _, lo, hi in ranges], block_size, device)
         q, k, v = (torch.cat(p).flatten(1).to(device=device, dtype=dtype) for p in parts)
         return impl.forward(q, k, v, cache, builder.build(common))
 
@@ -461,3 +451,24 @@ def check_proposer_engine(
         "num_accepted_tokens": stats.num_accepted_tokens,
         "mean_acceptance_length": stats.mean_acceptance_length,
     }
+
+
+def paged_metadata(
+    block_table: torch.Tensor, ranges: list[tuple[int, int]], block_size: int, device, **extra
+) -> CommonAttentionMetadata:
+    """The step a test feeds a backend: request ``i`` (row ``i`` of ``block_table``) computes
+    positions ``ranges[i] = (lo, hi)`` over ``lo`` cached tokens; ``extra`` sets optional
+    fields (e.g. ``num_common_prefix_blocks``)."""
+    slots, qsl, lens = [], [0], []
+    for i, (lo, hi) in enumerate(ranges):
+        pos = torch.arange(lo, hi)
+        slots.append(block_table[i, pos // block_size].long() * block_size + pos % block_size)
+        qsl.append(qsl[-1] + hi - lo)
+        lens.append(hi)
+    qsl_cpu, lens_cpu = torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        num_reqs=len(ranges), num_actual_tokens=qsl[-1], max_query_len=max(h - l for l, h in ranges),
+        max_seq_len=max(lens), query_start_loc=qsl_cpu.to(device), seq_lens=lens_cpu.to(device),
+        block_table=block_table.to(device), slot_mapping=torch.cat(slots).to(device),
+        query_start_loc_cpu=qsl_cpu, seq_lens_cpu=lens_cpu, block_size=block_size, **extra,
+    )
