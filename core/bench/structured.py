@@ -24,7 +24,6 @@ import re
 import shutil
 import statistics
 import sysconfig
-import time
 import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass
