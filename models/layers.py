@@ -4,7 +4,6 @@ linear layers whose fused parameters load from Hugging Face's separate projectio
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagelm import ops
@@ -30,13 +29,6 @@ class RMSNorm(nn.Module):
         # Normalised in float32 and scaled in the model dtype, as Hugging Face does, so bf16
         # outputs round the same way (the fused kernel rounds identically).
         return ops.rms_norm(x, self.weight, self.eps, residual)
-
-
-class SiluAndMul(nn.Module):
-    """``silu(gate) * up`` over the fused ``[gate | up]`` projection output."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.silu_and_mul(x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,7 +112,17 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
+
+    def forward_normed(
+        self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self(norm(x, residual)[0])`` and the next residual: the decoder norm that feeds
+        this projection runs inside it (one kernel at batch 1) when it is an ``RMSNorm``."""
+        if isinstance(norm, RMSNorm):
+            return ops.rms_norm_linear(x, norm.weight, norm.eps, residual, self.weight, self.bias)
+        normed, residual = norm(x, residual)
+        return self(normed), residual
 
 
 class FusedColumnLinear(Linear):
@@ -160,7 +162,14 @@ class QKVLinear(FusedColumnLinear):
         self.q_size, self.kv_size = q_size, kv_size
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return super().forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.split_qkv(super().forward(x))
+
+    def forward_normed(self, norm, x, residual):
+        qkv, residual = super().forward_normed(norm, x, residual)
+        return self.split_qkv(qkv), residual
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
 class MergedColumnLinear(FusedColumnLinear):

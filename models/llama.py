@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from pagelm.attention import Attention
-from pagelm.models.layers import Linear, MergedColumnLinear, QKVLinear, RMSNorm, RotaryEmbedding, SiluAndMul
+from pagelm import ops
+from pagelm.models.layers import Linear, MergedColumnLinear, QKVLinear, RMSNorm, RotaryEmbedding
 from pagelm.models.weights import load_packed_weights
 
 
@@ -57,10 +58,14 @@ class LlamaAttention(nn.Module):
         """Hook run on q/k before rotary (Qwen3's per-head norms); identity for Llama."""
         return q, k
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states)
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None, input_norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over ``input_norm(hidden_states, residual)``; returns its output and the
+        next residual. The norm runs inside the qkv projection."""
+        (q, k, v), residual = self.qkv_proj.forward_normed(input_norm, hidden_states, residual)
         q, k = self.position_qk(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v)), residual
 
     def position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """What q and k go through before attention: the model's q/k normalisation (none
@@ -78,10 +83,15 @@ class LlamaMLP(nn.Module):
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedColumnLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor, input_norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP over ``input_norm(hidden_states, residual)``, and the next residual. At
+        batch 1 that is two kernels: the norm inside gate_up, silu(gate) * up inside down."""
+        gate_up, residual = self.gate_up_proj.forward_normed(input_norm, hidden_states, residual)
+        d = self.down_proj
+        return ops.silu_and_mul_linear(gate_up, d.weight, d.bias), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -97,10 +107,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp output, residual)``; their sum is the layer's output, added lazily
         by the next norm so the add fuses with it."""
-        hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        hidden_states, residual = self.self_attn(positions, hidden_states, residual, self.input_layernorm)
+        return self.mlp(hidden_states, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):

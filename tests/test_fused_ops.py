@@ -27,7 +27,7 @@ from pagelm.testing.triton_interpreter import interpret_triton  # noqa: E402
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-KERNEL_MODULES = ("triton_rms_norm", "triton_rotary", "triton_activation")
+KERNEL_MODULES = ("triton_rms_norm", "triton_rotary", "triton_activation", "triton_gemv")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -225,6 +225,74 @@ def test_silu_and_mul_matches_reference(dtype, intermediate_size):
 
 
 # ---------------------------------------------------------------------------------------------
+# GEMV (decode-sized projections)
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The product of the low-precision operands in float64, rounded once to their dtype."""
+    y = x.double() @ weight.double().T
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)
+
+
+def assert_gemv_matches(actual: torch.Tensor, x, weight, bias) -> None:
+    """Float32 accumulation in another order than float64's: the sum may land on the other
+    side of a rounding boundary of the output dtype, so one ulp, no more."""
+    assert_matches(actual, exact_linear(x, weight, bias), max_ulp=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, k, bias", [(40, 64, False), (37, 96, True), (1030, 1100, False)])
+def test_gemv_matches_the_exact_product(dtype, n, k, bias):
+    """Output rows past a program's block (n=37, 1030), K past a 1024-wide chunk (1100), a bias."""
+    x, weight = randn(1, k, dtype=dtype, seed=k), randn(n, k, dtype=dtype, seed=n, scale=0.1)
+    b = randn(n, dtype=dtype, seed=7) if bias else None
+    out = ops.linear(x, weight, b, use_triton=True)
+    assert out.shape == (1, n) and out.dtype == dtype
+    assert_gemv_matches(out, x, weight, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [200, 1024])  # a masked chunk; exactly one chunk
+def test_gemv_with_silu_input_is_silu_and_mul_then_linear(dtype, k):
+    """The activation computed while loading rounds as the separate op does, so the product
+    is the exact product of ``silu_and_mul(x)`` and the weight, to one ulp."""
+    n = 48
+    x = randn(1, 2 * k, dtype=dtype, seed=3, scale=3.0)
+    weight = randn(n, k, dtype=dtype, seed=4, scale=0.1)
+    out = ops.silu_and_mul_linear(x, weight, use_triton=True)
+    activation = ops.silu_and_mul(x, use_triton=True)
+    assert_gemv_matches(out, activation, weight, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k, with_residual", [(96, True), (1100, True), (2048, False)])
+def test_gemv_with_rms_norm_is_the_norm_then_linear(dtype, k, with_residual):
+    """The norm in the GEMV's prologue rounds as the RMSNorm op does, so the product is the
+    exact product of the op's output and the weight (one ulp), and the next residual is the
+    op's bit for bit. K in one masked chunk, over two chunks, and exactly two."""
+    n = 40
+    x = randn(1, k, dtype=dtype, seed=1)
+    residual = randn(1, k, dtype=dtype, seed=2, scale=3.0) if with_residual else None
+    norm_weight, weight = randn(k, dtype=dtype, seed=3), randn(n, k, dtype=dtype, seed=4, scale=0.1)
+    out, next_residual = ops.rms_norm_linear(x, norm_weight, 1e-6, residual, weight, use_triton=True)
+    normed, expected_residual = ops.rms_norm(x, norm_weight, 1e-6, residual, use_triton=True)
+    assert torch.equal(next_residual, expected_residual)
+    assert_gemv_matches(out, normed, weight, None)
+
+
+def test_linear_dispatch_keeps_batches_and_float32_on_torch():
+    """The GEMV takes only what it is for: single bf16/fp16 rows."""
+    weight = randn(16, 32, dtype=torch.bfloat16)
+    assert ops._use_gemv(randn(1, 32, dtype=torch.bfloat16), weight, True)
+    assert not ops._use_gemv(randn(2, 32, dtype=torch.bfloat16), weight, True)
+    assert not ops._use_gemv(randn(1, 32), weight.float(), True)
+    assert not ops._use_gemv(randn(2, 32, dtype=torch.bfloat16), weight, False)
+
+
+# ---------------------------------------------------------------------------------------------
 # Dispatch and the models
 # ---------------------------------------------------------------------------------------------
 
@@ -286,6 +354,33 @@ def test_qwen3_forward_with_the_kernels_matches_the_reference_path(monkeypatch):
                 return model.compute_logits(model(input_ids, positions))
 
     torch.testing.assert_close(logits(True), logits(False), atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_bf16_single_token_forward_through_the_gemv_prologues_matches_the_reference_path(monkeypatch):
+    """Batch-1 decode shape in bf16: every projection takes the GEMV, the norms run in the qkv
+    and gate_up prologues and the activation in down's. Same logits as the separate ops, up to
+    the GEMV's accumulation order (a bf16 ulp here and there)."""
+    model = tiny_qwen3()
+    for param in model.parameters():  # the rotary cache stays float32, as the loader keeps it
+        param.data = param.data.to(torch.bfloat16)
+    input_ids, positions = torch.tensor([5], device=DEVICE), torch.tensor([0], device=DEVICE)
+    used = []
+    real_gemv = importlib.import_module("pagelm.ops.triton_gemv").gemv
+    monkeypatch.setattr("pagelm.ops.triton_gemv.gemv", lambda *a, **k: used.append(k) or real_gemv(*a, **k))
+
+    def logits(fused: bool) -> torch.Tensor:
+        with monkeypatch.context() as mp:
+            mp.setattr(ops, "fused_ops_enabled", lambda x: fused)
+            with forward_context(ForwardContext(attn_metadata=None)):
+                return model.compute_logits(model(input_ids, positions)).float()
+
+    reference_logits = logits(False)
+    assert not used
+    fused_logits = logits(True)
+    # Per layer: qkv (norm prologue), o, gate_up (norm prologue), down (silu prologue).
+    assert [("norm" in k, k.get("silu_input", False)) for k in used[:4]] == [(True, False), (False, False), (True, False), (False, True)]
+    torch.testing.assert_close(fused_logits, reference_logits, atol=0.05, rtol=0.02)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagelm.ops.triton_common import allow_next_kernel, pdl_supported
+
 
 @triton.jit
 def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
@@ -107,7 +109,9 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     EXACT_FP32: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    allow_next_kernel(USE_PDL)  # the output projection may start loading its weights
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -209,7 +213,9 @@ def _reduce_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    allow_next_kernel(USE_PDL)
     decode = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.load(query_start_loc_ptr + tl.load(decode_req_idx_ptr + decode)).to(tl.int64)
@@ -354,6 +360,7 @@ def split_decode_attention(
         HEAD_DIM=head_dim,
         HEAD_PAD=triton.next_power_of_2(head_dim),
         SPLITS_PAD=triton.next_power_of_2(max(num_splits, 2)),
+        USE_PDL=not INTERPRETED and pdl_supported(out.device),
     )
 
 
@@ -370,6 +377,7 @@ def _constexprs(group, head_dim, key_cache, cfg: TileConfig, block_q, dtype, sli
         USE_WINDOW=sliding_window is not None,
         EXACT_FP32=dtype == torch.float32,
         DOT_FP32=INTERPRETED and dtype == torch.bfloat16,
+        USE_PDL=not INTERPRETED and pdl_supported(key_cache.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -1,4 +1,6 @@
-"""Fused decoder-layer ops: RMSNorm with the residual add, rotary embedding, SiLU-and-mul.
+"""Fused decoder-layer ops: RMSNorm with the residual add, rotary embedding, SiLU-and-mul,
+and the projections of batch-1 decode (a Triton GEMV, optionally with SiLU-and-mul
+fused into its input).
 
 Each op runs a Triton kernel on CUDA tensors and its torch reference (``pagelm.ops.reference``)
 everywhere else. The kernels are imported on first use, so this package imports without
@@ -17,6 +19,8 @@ from pagelm.ops import reference
 
 FUSED_OPS_DISABLED = os.environ.get("PAGELM_DISABLE_FUSED_OPS", "0").lower() in ("1", "true", "on", "yes")
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+# ``PAGELM_DISABLE_GEMV=1`` keeps decode projections on cuBLAS (to compare the two).
+GEMV_DISABLED = os.environ.get("PAGELM_DISABLE_GEMV", "0").lower() in ("1", "true", "on", "yes")
 
 
 def fused_ops_enabled(x: torch.Tensor) -> bool:
@@ -103,12 +107,72 @@ def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Te
     return reference.silu_and_mul(x)
 
 
+def _use_gemv(x: torch.Tensor, weight: torch.Tensor, use_triton: bool | None) -> bool:
+    if use_triton is None:
+        use_triton = fused_ops_enabled(x) and not GEMV_DISABLED
+    return (
+        use_triton
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, use_triton: bool | None = None
+) -> torch.Tensor:
+    """``F.linear``; a single row (batch-1 decode, bf16/fp16) on CUDA takes the Triton GEMV,
+    which reads small weights at close to HBM bandwidth where cuBLAS's tiles do not."""
+    if _use_gemv(x, weight, use_triton):
+        from pagelm.ops import triton_gemv
+
+        return triton_gemv.gemv(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def silu_and_mul_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, use_triton: bool | None = None
+) -> torch.Tensor:
+    """``linear(silu_and_mul(x), weight, bias)``: the MLP's activation and down projection;
+    one kernel (the activation computed while loading) where the GEMV applies."""
+    if _use_gemv(x, weight, use_triton):
+        from pagelm.ops import triton_gemv
+
+        return triton_gemv.gemv(x, weight, bias, silu_input=True)
+    return linear(silu_and_mul(x, use_triton=use_triton), weight, bias, use_triton=use_triton)
+
+
+def rms_norm_linear(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``normed, h = rms_norm(x, norm_weight, eps, residual)``; returns ``(linear(normed,
+    weight, bias), h)``. One kernel where the GEMV applies (the norm in its prologue)."""
+    if _use_gemv(x, weight, use_triton) and (residual is None or residual.stride(-1) == 1):
+        from pagelm.ops import triton_gemv
+
+        return triton_gemv.gemv(x, weight, bias, norm=(norm_weight, eps, residual))
+    normed, h = rms_norm(x, norm_weight, eps, residual, use_triton=use_triton)
+    return linear(normed, weight, bias, use_triton=use_triton), h
+
+
 __all__ = [
     "FUSED_OPS_DISABLED",
     "fused_ops_enabled",
+    "linear",
     "qk_norm_rotary_embedding",
     "reference",
     "rms_norm",
+    "rms_norm_linear",
     "rotary_embedding",
     "silu_and_mul",
+    "silu_and_mul_linear",
 ]

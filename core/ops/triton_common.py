@@ -1,9 +1,18 @@
-"""What the fused-op kernels share: rounding float32 results to the model dtype."""
+"""What the fused-op kernels share: rounding float32 results to the model dtype, and
+programmatic dependent launch."""
 
 from __future__ import annotations
 
+import functools
+import os
+
+import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+# ``PAGELM_DISABLE_PDL=1``: launch every kernel plainly (to measure what overlap buys).
+PDL_DISABLED = os.environ.get("PAGELM_DISABLE_PDL", "0").lower() in ("1", "true", "on", "yes")
 
 
 @triton.jit
@@ -23,3 +32,35 @@ def round_to(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 def is_interpreted(kernel) -> bool:
     """True when ``kernel`` was built for the CPU interpreter (TRITON_INTERPRET=1 at import)."""
     return not isinstance(kernel, triton.runtime.JITFunction)
+
+
+# ---- programmatic dependent launch (Hopper and later) -----------------------------------------
+# A kernel launched with ``launch_pdl=True`` may start while the previous kernel on the stream
+# is still finishing: everything before ``wait_for_previous_kernel`` (setup, loads of weights,
+# which no kernel writes) overlaps the predecessor's tail, which at batch 1 is a large part of
+# a 2-4 us kernel. Every program of such a kernel must pass the wait before it writes or reads
+# anything a predecessor wrote: a kernel that finished without waiting would let its own
+# successor run ahead of the kernel before it.
+
+
+@triton.jit
+def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        gdc_wait()
+
+
+@triton.jit
+def allow_next_kernel(USE_PDL: tl.constexpr):
+    """Let the next kernel start launching (it still waits for this one's results)."""
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+@functools.cache
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: CUDA on compute capability 9.0+ (not the interpreter)."""
+    return (
+        not PDL_DISABLED
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagelm.ops.triton_common import is_interpreted, round_to
+from pagelm.ops.triton_common import allow_next_kernel, is_interpreted, pdl_supported, round_to
 
 
 @triton.jit
@@ -30,8 +30,10 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
+    allow_next_kernel(USE_PDL)  # the projection after the norm may start loading its weights
     row = tl.program_id(0)
     outer = (row // num_inner).to(tl.int64)
     inner = (row % num_inner).to(tl.int64)
@@ -108,6 +110,7 @@ def rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        USE_PDL=not INTERPRETED and pdl_supported(x.device),
         INTERPRETED=INTERPRETED,
         num_warps=_num_warps(block),
     )
