@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagelm.ops.triton_common import allow_next_kernel, is_interpreted, pdl_supported, wait_for_previous_kernel
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -29,7 +31,10 @@ def _store_kv_kernel(
     KV_HEADS_PAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)  # K/V come from the kernels just before
     tok = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot < 0:
@@ -50,6 +55,9 @@ def _store_kv_kernel(
     tl.store(value_cache_ptr + dst, v, mask=mask)
 
 
+INTERPRETED = is_interpreted(_store_kv_kernel)
+
+
 def store_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim], rows may be strided
     value: torch.Tensor,
@@ -64,6 +72,7 @@ def store_kv(
         return
     assert key.stride(-1) == 1 and value.stride(-1) == 1, "K/V rows must be contiguous"
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1
+    use_pdl = not INTERPRETED and pdl_supported(key_cache.device)
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -80,4 +89,6 @@ def store_kv(
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=key_cache.shape[1],
+        USE_PDL=use_pdl,
+        launch_pdl=use_pdl,
     )

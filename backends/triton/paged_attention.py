@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagelm.ops.triton_common import allow_next_kernel, pdl_supported
+from pagelm.ops.triton_common import allow_next_kernel, pdl_supported, wait_for_previous_kernel
 
 
 @triton.jit
@@ -112,6 +112,7 @@ def _paged_attention_kernel(
     USE_PDL: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)  # the output projection may start loading its weights
+    wait_for_previous_kernel(USE_PDL)  # this step's K/V are being stored just before
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -216,6 +217,7 @@ def _reduce_splits_kernel(
     USE_PDL: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     decode = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.load(query_start_loc_ptr + tl.load(decode_req_idx_ptr + decode)).to(tl.int64)
@@ -354,17 +356,20 @@ def split_decode_attention(
         SPLIT=True,
         SKIP_DECODES=False,
     )
+    use_pdl = not INTERPRETED and pdl_supported(out.device)
     _reduce_splits_kernel[(num_decodes, num_heads)](
         out, scratch.m, scratch.l, scratch.acc, decode_req_idx, query_start_loc,
         num_heads, num_splits, out.stride(0),
         HEAD_DIM=head_dim,
         HEAD_PAD=triton.next_power_of_2(head_dim),
         SPLITS_PAD=triton.next_power_of_2(max(num_splits, 2)),
-        USE_PDL=not INTERPRETED and pdl_supported(out.device),
+        USE_PDL=use_pdl,
+        launch_pdl=use_pdl,
     )
 
 
 def _constexprs(group, head_dim, key_cache, cfg: TileConfig, block_q, dtype, sliding_window) -> dict:
+    use_pdl = not INTERPRETED and pdl_supported(key_cache.device)
     return dict(
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -377,7 +382,8 @@ def _constexprs(group, head_dim, key_cache, cfg: TileConfig, block_q, dtype, sli
         USE_WINDOW=sliding_window is not None,
         EXACT_FP32=dtype == torch.float32,
         DOT_FP32=INTERPRETED and dtype == torch.bfloat16,
-        USE_PDL=not INTERPRETED and pdl_supported(key_cache.device),
+        USE_PDL=use_pdl,
+        launch_pdl=use_pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -34,13 +34,15 @@ def is_interpreted(kernel) -> bool:
     return not isinstance(kernel, triton.runtime.JITFunction)
 
 
-# ---- programmatic dependent launch (Hopper and later) -----------------------------------------
+# ---- programmatic dependent launch (Hopper and later) ---------------------------------------
 # A kernel launched with ``launch_pdl=True`` may start while the previous kernel on the stream
-# is still finishing: everything before ``wait_for_previous_kernel`` (setup, loads of weights,
-# which no kernel writes) overlaps the predecessor's tail, which at batch 1 is a large part of
-# a 2-4 us kernel. Every program of such a kernel must pass the wait before it writes or reads
-# anything a predecessor wrote: a kernel that finished without waiting would let its own
-# successor run ahead of the kernel before it.
+# is still finishing: its launch and whatever it does before ``wait_for_previous_kernel``
+# overlap the predecessor's tail, a large part of a 2-4 us kernel at batch 1. Every kernel of
+# the decode path is launched so (norms, projections, rotary, KV store, attention) and lets
+# its successor launch early (``allow_next_kernel``). The GEMV loads its first weight chunk
+# before waiting (weights are never written); the others wait first thing. Every program of
+# such a kernel must pass the wait before it finishes: a kernel that finished without
+# waiting would let its own successor run ahead of the kernel before it.
 
 
 @triton.jit

@@ -11,7 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pagelm.ops.triton_common import allow_next_kernel, is_interpreted, pdl_supported, round_to
+from pagelm.ops.triton_common import (
+    allow_next_kernel,
+    is_interpreted,
+    pdl_supported,
+    round_to,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit
@@ -33,7 +39,8 @@ def _rms_norm_kernel(
     USE_PDL: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    allow_next_kernel(USE_PDL)  # the projection after the norm may start loading its weights
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     outer = (row // num_inner).to(tl.int64)
     inner = (row % num_inner).to(tl.int64)
@@ -95,6 +102,7 @@ def rms_norm(
         # Unused by the kernel (HAS_RESIDUAL is off); x is the next residual as it is.
         residual_rows, residual_out = x_rows, x
     block = triton.next_power_of_2(hidden_size)
+    use_pdl = not INTERPRETED and pdl_supported(x.device)
     _rms_norm_kernel[(x_rows.shape[0] * x_rows.shape[1],)](
         out,
         residual_out,
@@ -110,8 +118,9 @@ def rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
-        USE_PDL=not INTERPRETED and pdl_supported(x.device),
+        USE_PDL=use_pdl,
         INTERPRETED=INTERPRETED,
         num_warps=_num_warps(block),
+        launch_pdl=use_pdl,
     )
     return out, residual_out

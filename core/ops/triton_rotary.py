@@ -17,7 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pagelm.ops.triton_common import is_interpreted, round_to
+from pagelm.ops.triton_common import (
+    allow_next_kernel,
+    is_interpreted,
+    pdl_supported,
+    round_to,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit
@@ -70,7 +76,10 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     INTERPRETED: tl.constexpr,
     NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)  # q and k come from the projection just before
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
     dims = tl.arange(0, HALF_PAD)
@@ -123,6 +132,7 @@ def rotary_embedding(
     half = rotary_dim // 2
     half_pad = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(max(q_heads.shape[1], k_heads.shape[1])), max(1, _TILE // half_pad))
+    use_pdl = not INTERPRETED and pdl_supported(q.device)
     _rotary_kernel[(num_tokens,)](
         q_heads,
         k_heads,
@@ -142,7 +152,9 @@ def rotary_embedding(
         BLOCK_H=block_h,
         INTERPRETED=INTERPRETED,
         NORM=qk_norm is not None,
+        USE_PDL=use_pdl,
         num_warps=4,
         enable_fp_fusion=False,
+        launch_pdl=use_pdl,
     )
     return q, k
