@@ -1,4 +1,5 @@
-"""The triton backend's kernels compile for a Hopper GPU (sm_90), on a machine without one.
+"""The triton backend's kernels and the decode-path GEMV compile for a Hopper GPU (sm_90),
+with programmatic dependent launch, on a machine without one.
 
 The interpreter runs kernels as Python and accepts things the compiler rejects (types that
 change across loop iterations, shared memory overflow...). Triton's wheel bundles ptxas, so
@@ -21,13 +22,14 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from pagelm.backends.triton import kv_store, paged_attention as pa
+    from pagelm.ops import triton_gemv
 
     TARGET = GPUTarget("cuda", 90, 32)
     TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 
     def compile_kernel(kernel, types, constexprs):
         signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in kernel.arg_names}
-        options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
+        options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in constexprs}
         compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=TARGET, options=options)
         assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared  # H100 shared memory per block
         return compiled
@@ -44,7 +46,7 @@ SCRIPT = textwrap.dedent(
         cfg = pa.tile_config(group, head_dim, max_query_len)
         block_q = 1 if split else cfg.block_m // group
         constexprs = pa._constexprs(group, head_dim, cache, cfg, block_q, dtype, None)
-        constexprs.update(SPLIT=split, SKIP_DECODES=not split)
+        constexprs.update(SPLIT=split, SKIP_DECODES=not split, USE_PDL=True, launch_pdl=True)
         io = dict.fromkeys(["out_ptr", "query_ptr", "key_cache_ptr", "value_cache_ptr"], TYPES[dtype])
         io.update(dict.fromkeys(["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"], "*i32"))
         io.update(decode_req_idx_ptr="*i32")
@@ -55,14 +57,23 @@ SCRIPT = textwrap.dedent(
         pa._reduce_splits_kernel,
         {"out_ptr": "*bf16", "partial_m_ptr": "*fp32", "partial_l_ptr": "*fp32", "partial_acc_ptr": "*fp32",
          "decode_req_idx_ptr": "*i32", "query_start_loc_ptr": "*i32"},
-        dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=32),
+        dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=32, USE_PDL=True, launch_pdl=True),
     )
     compile_kernel(
         kv_store._store_kv_kernel,
         dict.fromkeys(["key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr"], "*bf16")
         | {"slot_mapping_ptr": "*i64", "stride_cache_block": "i64"},
-        dict(NUM_KV_HEADS=8, HEAD_DIM=128, KV_HEADS_PAD=8, HEAD_PAD=128, BLOCK_SIZE=16),
+        dict(NUM_KV_HEADS=8, HEAD_DIM=128, KV_HEADS_PAD=8, HEAD_PAD=128, BLOCK_SIZE=16, USE_PDL=True, launch_pdl=True),
     )
+    for silu, norm, residual, even_k in [(False, False, False, True), (True, False, False, True),
+                                         (False, True, True, True), (False, True, False, False)]:
+        compile_kernel(
+            triton_gemv._gemv_kernel,
+            dict.fromkeys(["y_ptr", "x_ptr", "w_ptr", "b_ptr", "residual_ptr", "residual_out_ptr", "norm_weight_ptr"], "*bf16")
+            | {"eps": "fp32"},
+            dict(HAS_BIAS=False, SILU_INPUT=silu, NORM=norm, HAS_RESIDUAL=residual, BLOCK_N=4, BLOCK_K=1024,
+                 EVEN_K=even_k, USE_PDL=True, INTERPRETED=False, num_warps=4, launch_pdl=True),
+        )
     print("compiled")
     """
 )
