@@ -53,6 +53,11 @@ class EngineConfig:
     # None: CUDA graphs for decode when the device and the attention backend allow them;
     # True: never; False: required (a backend that is not graph safe is then an error).
     enforce_eager: bool | None = None
+    # Schedule and launch each step while the previous one runs on the device, so that the
+    # host work between steps (outputs, the next schedule, its inputs) overlaps the GPU.
+    # None: on where CUDA graphs are used, unless speculative decoding is on; True: on, also
+    # on CPU; False: off. Not supported with speculative decoding.
+    async_scheduling: bool | None = None
     # No tokenizer at all (vLLM's name): prompts must be token ids and outputs carry token ids
     # with empty text. For model directories without tokenizer files (benchmark presets).
     skip_tokenizer_init: bool = False
@@ -119,6 +124,11 @@ class EngineConfig:
             )
         if self.load_format not in ("auto", "safetensors", "dummy"):
             out.append(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.async_scheduling and self.speculative_config is not None:
+            out.append(
+                "async_scheduling=True is not supported with speculative decoding (speculative_config is set); "
+                "leave async_scheduling unset or False"
+            )
         if self.speculative_config is not None:
             try:
                 self.speculative

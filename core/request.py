@@ -55,6 +55,13 @@ class Request:
         | prompt_token_ids            | output_token_ids      |
         | computed (KV cached)   | new this step            |
         0                 num_computed_tokens          num_tokens
+
+    With async scheduling a step is scheduled before the one in flight has sampled: each
+    token sampled but not yet seen is an output placeholder, and a decode's next input is
+    its placeholder (the runner takes its id from the device)::
+
+        | prompt_token_ids        | output_token_ids   | placeholders |
+        0                                          num_tokens      num_tokens_with_placeholders
     """
 
     def __init__(
@@ -85,6 +92,9 @@ class Request:
         # Guided decoding: this request's grammar state, set once its grammar has compiled.
         self.grammar: StructuredOutputGrammar | None = None
         self.output_token_ids: list[int] = []
+        # Steps scheduled that sample this request's next token and whose token has not come
+        # back yet (``update_from_output`` turns each into a real token).
+        self.num_output_placeholders = 0
         # Speculative decoding: drafts proposed for this request's next step (not yet tokens
         # of the request: block hashes and stop checks never see them).
         self.spec_token_ids: list[int] = []
@@ -96,6 +106,14 @@ class Request:
         # Prompt logprobs skip the prefix cache (their logits must be computed).
         self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
         self.prompt_logprobs_done = sampling_params.prompt_logprobs is None
+        # Its next sample reads its previous tokens on the host: a grammar accepts each token
+        # before the next bitmask, penalties count the tokens so far. With async scheduling a
+        # step that has it runs synchronously.
+        self.reads_output_history = sampling_params.guided_decoding is not None or (
+            sampling_params.presence_penalty != 0.0
+            or sampling_params.frequency_penalty != 0.0
+            or sampling_params.repetition_penalty != 1.0
+        )
         self._block_hasher = block_hasher
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
@@ -112,6 +130,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self._all_token_ids) + self.num_output_placeholders
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -91,6 +91,9 @@ class FlashInferAttentionBackend(AttentionBackend):
     supported_devices = ("cuda",)
     supports_sliding_window = True
     cuda_graph_safe = True
+    # Its graph wrappers are decode wrappers (one query token per request): verification
+    # steps of speculative decoding run eagerly, through the prefill wrapper.
+    cuda_graph_uniform_batch = False
 
     @classmethod
     def validate(

@@ -114,8 +114,12 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         return max(1, min(self.max_splits, by_length, by_occupancy))
 
     def build_for_cudagraph(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
-        """Every request is a decode; the split count depends on the batch size alone (a
-        short sequence leaves some splits empty, which the reduce weighs 0)."""
+        """One-token decodes: the split count depends on the batch size alone (a short
+        sequence leaves some splits empty, which the reduce weighs 0). Verification steps
+        (``max_query_len > 1``): the main launch alone, whose grid follows the token count,
+        and which walks each request's keys up to its ``seq_len`` read on the device."""
+        if common.max_query_len > 1:
+            return self._metadata(common, 1, 0, None)
         num_decodes = common.num_reqs
         num_splits = max(1, min(self.max_splits, self.target_programs // num_decodes))
         decode_req_idx = self._graph_decode_req_idx[:num_decodes] if num_splits > 1 else None
@@ -197,6 +201,7 @@ def interpreter_enabled() -> bool:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     cuda_graph_safe = True
+    cuda_graph_uniform_batch = True
     # CPU only under TRITON_INTERPRET=1 (tests, debugging); see validate().
     supported_devices = ("cuda", "cpu")
     supports_sliding_window = True

@@ -85,7 +85,14 @@ class AttentionMetadataBuilder(ABC):
         made at capture, so they may depend on ``num_reqs`` only, never on ``seq_lens``; the
         device tensors in ``common`` are the runner's persistent buffers, refilled before
         every replay. Padding rows have ``seq_len`` 1 and slot -1 (nothing stored).
-        Only backends with ``cuda_graph_safe = True`` are asked."""
+        Only backends with ``cuda_graph_safe = True`` are asked.
+
+        Backends with ``cuda_graph_uniform_batch = True`` are also asked for speculative
+        verification graphs: ``max_query_len = q > 1`` tokens per request,
+        ``query_start_loc = arange * q``, ``max_seq_len = max_model_len``. A request's tokens
+        are the last ``q`` positions before its ``seq_len``; padding tokens (slot -1) come
+        first, on positions already cached, so causal attention over the cache stays exact
+        for the real ones."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def prepare_cudagraph_replay(self, common: CommonAttentionMetadata, num_reqs: int) -> bool:
@@ -130,6 +137,10 @@ class AttentionBackend(ABC):
     # True: decode steps may be captured in CUDA graphs (no host syncs or value-dependent
     # shapes in forward, and the builder implements build_for_cudagraph).
     cuda_graph_safe: ClassVar[bool] = False
+    # True (with cuda_graph_safe): steps that verify speculative drafts, a uniform q = 1 + k
+    # query tokens per request, may be captured too (see build_for_cudagraph). False: they run
+    # eagerly, one-token decode steps keep their graphs.
+    cuda_graph_uniform_batch: ClassVar[bool] = False
 
     @classmethod
     def validate(

@@ -26,7 +26,7 @@ def build_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device):
     return model.eval()
 
 
-def release_memory(device: torch.device) -> None:
+def release_memory(device: torch.device, what: str = "HF model") -> None:
     """Return freed tensors' memory to the device once the caller dropped its references, and
     say how much is free for pagelm (its KV pool is sized from what is free)."""
     gc.collect()
@@ -34,7 +34,7 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        print(f"HF model freed: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free", flush=True)
+        print(f"{what} freed: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free", flush=True)
 
 
 class _TokenClock(StoppingCriteria):

@@ -16,6 +16,20 @@ bandwidth / bytes per step.
 
 ``--compare hf`` runs the same prompts through Hugging Face ``model.generate`` (same
 architecture and dtype, random weights) first, frees it, then runs pagelm.
+
+Speculative decoding: with ``--speculative-config JSON`` (the engine's flag) each row also
+reports the mean acceptance length of the timed runs, ``1 + accepted / drafts`` (tokens per
+verification step), beside the drafted and accepted token counts; ``--compare spec-off``
+first runs the same prompts without speculation in the same process, frees that engine, and
+reports the speedup in decode tokens/s. Roofline and MBU stay those of plain decoding (one
+token per step), so speculation is what takes tokens/s past the roofline. ``--spec-reject-all``
+makes every draft wrong after the proposer ran: the overhead when nothing is accepted.
+
+Prompts (``--workload``): ``random`` ids; ``repeat``, a block of random ids repeated
+(``--repeat-block-len`` 256 x ``--repeat-count`` 4, 256 output tokens unless
+``--output-len``): n-gram drafting's best case once the model copies it; ``code``, standard
+library source through the model's tokenizer (for the demo model, ``--model demo``, and an
+EAGLE head trained for it).
 """
 
 from __future__ import annotations
@@ -29,9 +43,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pagelm.bench.hf_compare import HFLatency, build_hf_model, hf_generate_latency, release_memory
-from pagelm.bench.presets import PRESETS, resolve_bench_model
+from pagelm.bench.presets import DEMO, PRESETS, resolve_bench_model
 from pagelm.bench.roofline import DecodeCost, decode_avg_context, device_name, measure_copy_bandwidth
+from pagelm.bench.workload import TokenWorkload
 from pagelm.cli.engine_args import add_engine_args, engine_kwargs
+
+WORKLOADS = ("random", "repeat", "code")
 
 
 def add_parser(sub) -> None:
@@ -41,14 +58,33 @@ def add_parser(sub) -> None:
     )
     add_model_arg(p)
     p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes (default: %(default)s)")
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: %(default)s)")
     p.add_argument(
-        "--output-len", type=int, default=512, help="output tokens per request, EOS ignored (default: %(default)s)"
+        "--workload", choices=WORKLOADS, default="random",
+        help="prompts: random ids, a repeated block of random ids, or stdlib source code (default: %(default)s)",
     )
+    p.add_argument(
+        "--input-len", type=int, help="prompt tokens per request (default: 128; repeat: block len x count)"
+    )
+    p.add_argument(
+        "--output-len", type=int, help="output tokens per request, EOS ignored (default: 512; repeat: 256)"
+    )
+    p.add_argument(
+        "--repeat-block-len", type=int, default=256, help="repeat: tokens in the repeated block (default: %(default)s)"
+    )
+    p.add_argument("--repeat-count", type=int, default=4, help="repeat: copies of the block (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per batch size (default: %(default)s)")
     p.add_argument("--iters", type=int, default=3, help="timed runs per batch size (default: %(default)s)")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
-    p.add_argument("--compare", choices=["hf"], help="also run Hugging Face transformers' generate on the same prompts")
+    p.add_argument(
+        "--compare", choices=["hf", "spec-off"],
+        help="also run Hugging Face transformers' generate on the same prompts (hf), or pagelm without "
+        "--speculative-config (spec-off: the speedup of speculative decoding)",
+    )
+    p.add_argument(
+        "--spec-reject-all", action="store_true",
+        help="shift every draft token id by one after the proposer ran, so that the target rejects it: the "
+        "overhead of speculation when nothing is accepted",
+    )
     p.add_argument(
         "--hf-output-len", type=int,
         help="output tokens per HF request (default: --output-len); per-token figures stay comparable",
@@ -61,7 +97,8 @@ def add_parser(sub) -> None:
 def add_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", required=True,
-        help=f"model directory, or a preset run with random weights and no tokenizer: {', '.join(PRESETS)}",
+        help=f"model directory, {DEMO!r} (the built-in demo model), or a preset run with random weights and "
+        f"no tokenizer: {', '.join(PRESETS)}",
     )
 
 
@@ -79,10 +116,83 @@ class LatencyResult:
     mbu: float
     roofline_tokens_per_s: float
     hf: HFLatency | None = None
+    spec: SpecCounts | None = None  # with --speculative-config
+    spec_off: SpecOffLatency | None = None  # with --compare spec-off
 
     @property
     def hf_ratio(self) -> float | None:
         return None if self.hf is None else self.decode_tokens_per_s / self.hf.decode_tokens_per_s
+
+    @property
+    def speedup(self) -> float | None:
+        """Decode tokens/s with speculative decoding over without it."""
+        return None if self.spec_off is None else self.decode_tokens_per_s / self.spec_off.decode_tokens_per_s
+
+
+@dataclass
+class SpecCounts:
+    """Speculative decoding over the timed runs' requests: verification steps with drafts
+    ("drafts"), tokens drafted, tokens accepted; tokens per verification step and the share
+    of drafted tokens accepted."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    mean_acceptance_length: float | None
+    acceptance_rate: float | None
+
+    @classmethod
+    def from_outputs(cls, outputs) -> "SpecCounts":
+        drafts = sum(o.metrics.spec_num_drafts for o in outputs)
+        drafted = sum(o.metrics.spec_num_draft_tokens for o in outputs)
+        accepted = sum(o.metrics.spec_num_accepted_tokens for o in outputs)
+        return cls(
+            drafts, drafted, accepted,
+            1.0 + accepted / drafts if drafts else None, accepted / drafted if drafted else None,
+        )
+
+
+@dataclass
+class SpecOffLatency:
+    """The same runs without speculative decoding (medians, as ``LatencyResult``)."""
+
+    e2e_s: float
+    ttft_s: float
+    tpot_s: float
+    decode_tokens_per_s: float
+
+
+def resolve_lengths(args: argparse.Namespace) -> None:
+    """Fill ``--input-len``/``--output-len`` from the workload's defaults."""
+    if args.workload == "repeat":
+        input_len = args.repeat_block_len * args.repeat_count
+        if args.input_len is not None and args.input_len != input_len:
+            raise SystemExit(
+                f"--workload repeat: --input-len is --repeat-block-len x --repeat-count = {input_len}, "
+                f"not {args.input_len}"
+            )
+        args.input_len = input_len
+        args.output_len = 256 if args.output_len is None else args.output_len
+    else:
+        args.input_len = 128 if args.input_len is None else args.input_len
+        args.output_len = 512 if args.output_len is None else args.output_len
+
+
+def workload_prompts(
+    args: argparse.Namespace, batch_size: int, run: int, vocab_size: int, tokenizer=None
+) -> list[list[int]]:
+    """The prompts of one run of ``--workload`` (negative ``run`` for warm-ups): the same for
+    every engine measured."""
+    if args.workload == "random":
+        return random_prompts(args.workload_seed, batch_size, args.input_len, vocab_size, run)
+    seed = f"{args.workload_seed}/{batch_size}/{run}"
+    if args.workload == "repeat":
+        w = TokenWorkload.repeated(
+            batch_size, args.repeat_block_len, args.repeat_count, args.output_len, vocab_size, seed
+        )
+    else:
+        w = TokenWorkload.code(tokenizer, batch_size, args.input_len, args.output_len, seed)
+    return w.prompt_token_ids
 
 
 def random_prompts(seed: int, batch_size: int, input_len: int, vocab_size: int, run: int) -> list[list[int]]:
@@ -93,34 +203,62 @@ def random_prompts(seed: int, batch_size: int, input_len: int, vocab_size: int, 
 
 
 def measure_pagelm(
-    llm, batch_size: int, args: argparse.Namespace, vocab_size: int
-) -> tuple[float, float, float]:
-    """Median (e2e, TTFT, TPOT) seconds over the timed runs of one batch size."""
+    llm, batch_size: int, args: argparse.Namespace, vocab_size: int, tokenizer=None
+) -> tuple[float, float, float, SpecCounts]:
+    """Median (e2e, TTFT, TPOT) seconds over the timed runs of one batch size, and their
+    speculative decoding counts."""
     from pagelm import SamplingParams
 
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
 
     def generate(run: int):
-        prompts = random_prompts(args.workload_seed, batch_size, args.input_len, vocab_size, run)
+        prompts = workload_prompts(args, batch_size, run, vocab_size, tokenizer)
         return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     for i in range(args.warmup):
         generate(-1 - i)
-    e2e, ttft, tpot = [], [], []
+    e2e, ttft, tpot, timed = [], [], [], []
     for i in range(args.iters):
         start = time.perf_counter()
         outs = generate(i)
         e2e.append(time.perf_counter() - start)
+        timed.extend(outs)
         for out in outs:
             m = out.metrics
             assert len(out.outputs[0].token_ids) == args.output_len, "ignore_eos run stopped early"
             ttft.append(m.first_token_time - m.arrival_time)
             tpot.append((m.finished_time - m.first_token_time) / (args.output_len - 1))
-    return statistics.median(e2e), statistics.median(ttft), statistics.median(tpot)
+    return statistics.median(e2e), statistics.median(ttft), statistics.median(tpot), SpecCounts.from_outputs(timed)
+
+
+def measure_spec_off(
+    model_dir: str, kwargs: dict, device, batch_sizes: list[int], args: argparse.Namespace, vocab_size: int,
+    tokenizer=None,
+) -> dict[int, SpecOffLatency]:
+    """Every batch size through an engine without speculative decoding, freed afterwards."""
+    from pagelm import LLM
+
+    print("without speculative decoding:", flush=True)
+    llm = LLM(model_dir, **{k: v for k, v in kwargs.items() if k != "speculative_config"})
+    out = {}
+    try:
+        for b in batch_sizes:
+            e2e, ttft, tpot, _ = measure_pagelm(llm, b, args, vocab_size, tokenizer)
+            out[b] = r = SpecOffLatency(e2e, ttft, tpot, b / tpot)
+            print(
+                f"  batch {b:>4}: e2e {r.e2e_s:8.3f} s  TTFT {1000 * r.ttft_s:8.2f} ms  "
+                f"TPOT {1000 * r.tpot_s:7.3f} ms  {r.decode_tokens_per_s:9.1f} tok/s", flush=True,
+            )
+        return out
+    finally:
+        llm.engine.shutdown()
+        del llm
+        release_memory(device, "engine without speculative decoding")
 
 
 def measure_hf(
-    model_dir: str, dtype, device, batch_sizes: list[int], args: argparse.Namespace, vocab_size: int
+    model_dir: str, dtype, device, batch_sizes: list[int], args: argparse.Namespace, vocab_size: int,
+    tokenizer=None,
 ) -> dict[int, HFLatency]:
     output_len = args.hf_output_len or args.output_len
     print(f"HF transformers generate: {output_len} output tokens per request", flush=True)
@@ -128,8 +266,8 @@ def measure_hf(
     try:
         out = {}
         for b in batch_sizes:
-            runs = [random_prompts(args.workload_seed, b, args.input_len, vocab_size, i) for i in range(args.iters)]
-            warm = random_prompts(args.workload_seed, b, args.input_len, vocab_size, -1)
+            runs = [workload_prompts(args, b, i, vocab_size, tokenizer) for i in range(args.iters)]
+            warm = workload_prompts(args, b, -1, vocab_size, tokenizer)
             out[b] = hf_generate_latency(model, runs, output_len, warm)
             r = out[b]
             print(
@@ -149,15 +287,26 @@ def run(args: argparse.Namespace) -> int:
     from pagelm.config import EngineConfig
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    resolve_lengths(args)
     if args.output_len < 2 or args.input_len < 1 or args.iters < 1:
         raise SystemExit("--output-len must be >= 2 (TPOT needs two tokens), --input-len and --iters >= 1")
     model_dir, kwargs = resolve_bench_model(args.model, engine_kwargs(args))
     config = EngineConfig.from_kwargs(model_dir, **kwargs)
+    if (args.compare == "spec-off" or args.spec_reject_all) and config.speculative is None:
+        raise SystemExit("--compare spec-off and --spec-reject-all measure speculative decoding: "
+                         "give --speculative-config JSON")
     if max(batch_sizes) > config.max_num_seqs:
         raise SystemExit(f"batch size {max(batch_sizes)} > max_num_seqs={config.max_num_seqs}: raise --max-num-seqs")
     hf_config = AutoConfig.from_pretrained(model_dir)
     device, dtype = config.resolved_device(), config.resolved_dtype(hf_config)
     vocab_size = hf_config.vocab_size
+    max_model_len = config.max_model_len or getattr(hf_config, "max_position_embeddings", None)
+    if max_model_len is not None and args.input_len + args.output_len > max_model_len:
+        raise SystemExit(
+            f"{args.input_len} prompt + {args.output_len} output tokens exceed max_model_len={max_model_len}: "
+            "shorten the workload or raise --max-model-len"
+        )
+    tokenizer = load_tokenizer(model_dir, kwargs) if args.workload == "code" else None
 
     cost = DecodeCost.from_hf_config(hf_config, dtype)
     # 1 GiB on a GPU; 256 MiB on the CPU (past any cache, quick in tests).
@@ -168,17 +317,25 @@ def run(args: argparse.Namespace) -> int:
         f"KV {cost.kv_bytes_per_token / 1e3:.1f} kB/token; copy bandwidth {bandwidth / 1e9:.1f} GB/s",
         flush=True,
     )
-    hf = measure_hf(model_dir, dtype, device, batch_sizes, args, vocab_size) if args.compare == "hf" else {}
+    hf = measure_hf(model_dir, dtype, device, batch_sizes, args, vocab_size, tokenizer) if args.compare == "hf" else {}
+    spec_off = {}
+    if args.compare == "spec-off":
+        spec_off = measure_spec_off(model_dir, kwargs, device, batch_sizes, args, vocab_size, tokenizer)
+    if config.speculative is not None:
+        print(f"with speculative decoding: {config.speculative.describe()}", flush=True)
 
     llm = LLM(model_dir, **kwargs)
+    if args.spec_reject_all:
+        reject_all_drafts(llm, vocab_size)
     avg_context = decode_avg_context(args.input_len, args.output_len)
     results = []
     for b in batch_sizes:
-        e2e, ttft, tpot = measure_pagelm(llm, b, args, vocab_size)
+        e2e, ttft, tpot, spec = measure_pagelm(llm, b, args, vocab_size, tokenizer)
         step_bytes = cost.bytes_per_step(b, avg_context)
         results.append(LatencyResult(
             b, args.input_len, args.output_len, e2e, ttft, tpot, b / tpot, step_bytes,
             step_bytes / tpot, step_bytes / tpot / bandwidth, b * bandwidth / step_bytes, hf.get(b),
+            spec if config.speculative is not None else None, spec_off.get(b),
         ))
         print_row(results[-1])
 
@@ -187,9 +344,41 @@ def run(args: argparse.Namespace) -> int:
             "benchmark": "latency", "model": args.model, "device": device_name(device), "dtype": str(dtype),
             "copy_bandwidth": bandwidth, "weight_bytes": cost.weight_bytes,
             "kv_bytes_per_token": cost.kv_bytes_per_token, "engine_args": kwargs,
-            "results": [{**asdict(r), "hf_ratio": r.hf_ratio} for r in results],
+            "workload": workload_description(args),
+            "speculative_config": kwargs.get("speculative_config"), "spec_reject_all": args.spec_reject_all,
+            "results": [{**asdict(r), "hf_ratio": r.hf_ratio, "speedup": r.speedup} for r in results],
         }, indent=2))
     return 0
+
+
+def reject_all_drafts(llm, vocab_size: int) -> None:
+    """``--spec-reject-all``: the proposer drafts as usual (its cost is paid), then each draft
+    token id is shifted by one, so greedy verification rejects it unless the target happens
+    to pick that neighbour. A random-weight model cannot stand in for "nothing accepted": it
+    soon repeats itself, and n-gram drafts for it are right."""
+    proposer = llm.engine.core.runner.spec.proposer
+    propose = proposer.propose
+    proposer.propose = lambda batch: [[(t + 1) % vocab_size for t in d] for d in propose(batch)]
+
+
+def workload_description(args: argparse.Namespace) -> dict:
+    out = {"name": args.workload, "input_len": args.input_len, "output_len": args.output_len,
+           "seed": args.workload_seed}
+    if args.workload == "repeat":
+        out.update(block_len=args.repeat_block_len, repeats=args.repeat_count)
+    return out
+
+
+def load_tokenizer(model_dir: str, kwargs: dict):
+    """The model's tokenizer, for ``--workload code``."""
+    from transformers import AutoTokenizer
+
+    if kwargs.get("skip_tokenizer_init"):
+        raise SystemExit("--workload code needs the model's tokenizer: a model directory with one, not a preset")
+    try:
+        return AutoTokenizer.from_pretrained(kwargs.get("tokenizer") or model_dir)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--workload code needs the model's tokenizer: {e}") from e
 
 
 def print_row(r: LatencyResult) -> None:
@@ -198,6 +387,14 @@ def print_row(r: LatencyResult) -> None:
         f"TPOT {1000 * r.tpot_s:7.3f} ms  {r.decode_tokens_per_s:9.1f} tok/s  "
         f"roofline {r.roofline_tokens_per_s:9.1f} tok/s  MBU {r.mbu:6.1%}"
     )
+    if r.spec is not None:
+        length = "-" if r.spec.mean_acceptance_length is None else f"{r.spec.mean_acceptance_length:.2f}"
+        line += (
+            f"  | acceptance length {length} "
+            f"(drafted {r.spec.num_draft_tokens}, accepted {r.spec.num_accepted_tokens})"
+        )
+    if r.spec_off is not None:
+        line += f"  | spec off {r.spec_off.decode_tokens_per_s:8.1f} tok/s, speedup {r.speedup:5.2f}x"
     if r.hf is not None:
         line += f"  | HF {r.hf.decode_tokens_per_s:8.1f} tok/s, pagelm/HF {r.hf_ratio:6.2f}x"
     print(line, flush=True)

@@ -112,6 +112,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# ``--model demo``: the built-in demo model (pagelm.demo_model), e.g. to measure an EAGLE
+# head trained for it by ``pagelm train-eagle``.
+DEMO = "demo"
+
+
 def default_presets_dir() -> Path:
     from pagelm.demo_model import default_cache_dir
 
@@ -137,9 +142,17 @@ def resolve_bench_model(
     model: str, engine_kwargs: dict[str, Any], root: Path | None = None
 ) -> tuple[str, dict[str, Any]]:
     """``--model`` as a directory and the engine arguments to run it with: a preset name turns
-    into its directory with random weights and no tokenizer (flags given explicitly win)."""
+    into its directory with random weights and no tokenizer (flags given explicitly win);
+    ``demo`` into the built-in demo model's (trained weights and tokenizer; trained on first
+    use)."""
+    if model == DEMO:
+        from pagelm.demo_model import ensure_demo_model
+
+        return str(ensure_demo_model()), dict(engine_kwargs)
     if model in PRESETS:
         return str(materialize(model, root)), {"load_format": "dummy", "skip_tokenizer_init": True, **engine_kwargs}
     if not Path(model).expanduser().is_dir():
-        raise SystemExit(f"--model {model!r} is neither a model directory nor a preset ({', '.join(PRESETS)})")
+        raise SystemExit(
+            f"--model {model!r} is neither a model directory nor a preset ({', '.join(PRESETS)}) nor {DEMO!r}"
+        )
     return model, dict(engine_kwargs)

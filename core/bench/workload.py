@@ -4,6 +4,7 @@ the server benchmark; ``TokenWorkload`` is token ids for the latency and through
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
@@ -82,3 +83,44 @@ class TokenWorkload:
         prefix = [rng.randint(0, high) for _ in range(prefix_len)]
         prompts = [prefix + [rng.randint(0, high) for _ in range(suffix_len)] for _ in range(num_seqs)]
         return cls(prompts, [output_len] * num_seqs)
+
+    @classmethod
+    def repeated(
+        cls, num_seqs: int, block_len: int, repeats: int, output_len: int, vocab_size: int, seed: int | str = 0
+    ) -> "TokenWorkload":
+        """Prompts that repeat themselves: a block of ``block_len`` random ids (below
+        ``min(vocab_size, 10000)``), its own for every prompt, ``repeats`` times over. Prompt
+        lookup (n-gram drafting) finds every continuation of a model that keeps copying it::
+
+            | b0 b1 ... b255 | b0 b1 ... b255 | b0 b1 ... b255 | b0 b1 ... b255 |
+        """
+        rng = random.Random(seed)
+        high = min(vocab_size, 10000) - 1
+        prompts = [[rng.randint(0, high) for _ in range(block_len)] * repeats for _ in range(num_seqs)]
+        return cls(prompts, [output_len] * num_seqs)
+
+    @classmethod
+    def code(cls, tokenizer, num_seqs: int, input_len: int, output_len: int, seed: int | str = 0) -> "TokenWorkload":
+        """Python source from the standard library: ``input_len`` tokens from a random place
+        of a random file (the text the demo model, and EAGLE heads ``pagelm train-eagle``
+        trains for it, know)."""
+        rng = random.Random(seed)
+        window = 8 * input_len  # characters: comfortably more than input_len tokens of code
+        sources = [text for text in _stdlib_texts() if len(text) > 2 * window]
+        if not sources:
+            raise ValueError(f"no standard library file is long enough for {input_len}-token prompts")
+        prompts: list[list[int]] = []
+        while len(prompts) < num_seqs:
+            text = rng.choice(sources)
+            offset = rng.randrange(len(text) - window)
+            ids = tokenizer.encode(text[offset : offset + window], add_special_tokens=False)
+            if len(ids) >= input_len:
+                prompts.append(ids[:input_len])
+        return cls(prompts, [output_len] * num_seqs)
+
+
+@functools.cache
+def _stdlib_texts() -> tuple[str, ...]:
+    from pagelm.demo_model import stdlib_sources
+
+    return tuple(text for _, text in stdlib_sources(4_000_000))

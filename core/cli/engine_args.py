@@ -34,6 +34,8 @@ _HELP = {
     "attention_backend": "registered attention backend name (see `pagelm plugins`) or auto",
     "load_format": "auto, safetensors or dummy (random weights)",
     "enforce_eager": "--enforce-eager: never use CUDA graphs; --no-enforce-eager: require them (unset: when possible)",
+    "async_scheduling": "--async-scheduling: schedule the next step while one runs on the device (also on CPU); "
+    "--no-async-scheduling: never (unset: with CUDA graphs, without speculative decoding)",
     "skip_tokenizer_init": "load no tokenizer: prompts must be token ids, outputs have no text",
     "structured_output_backend": "registered guided-decoding backend name (see `pagelm plugins`)",
     "structured_output_cache_bytes": "memory bound of the compiled-grammar cache, in bytes",

@@ -1,8 +1,13 @@
 """EngineCore: the step loop. It owns the scheduler, the KV cache manager and the model
 runner; it knows nothing about text (token ids in, token ids out)::
 
-    step():  scheduler.schedule() -> runner.execute_model() -> scheduler.update_from_output()
+    step():  scheduler.schedule() -> runner.launch() -> runner.finish() -> scheduler.update_from_output()
              -> structured_output.prepare_bitmask()   (grammar work for the next step, threaded)
+
+With async scheduling one step stays in flight: ``step()`` schedules and launches step N,
+then finishes step N-1 (waits for its sampled ids, updates the scheduler) while the device
+runs N, and returns N-1's outputs. A step whose sampling reads the previous tokens on the
+host (grammars, penalties) first finishes the one in flight and then runs synchronously.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pagelm.request import Request, RequestStatus
 from pagelm.sched.scheduler import Scheduler
 from pagelm.structured_output import StructuredOutputManager
 from pagelm.worker.model_runner import ModelRunner
+from pagelm.worker.pending_step import PendingStep
 
 logger = logging.getLogger("pagelm")
 
@@ -94,11 +100,14 @@ class EngineCore:
         )
         # req_id -> when it was first scheduled, until its first output carries it out.
         self._first_scheduled: dict[str, float] = {}
+        self.async_scheduling = self._use_async_scheduling(use_cuda_graphs)
+        # Async scheduling: the step launched and not finished yet.
+        self._in_flight: PendingStep | None = None
         logger.info(
             "pagelm engine: %s on %s/%s, %d KV blocks of %d tokens, backend=%s, policy=%s, cuda_graphs=%s, "
-            "speculative=%s",
+            "async_scheduling=%s, speculative=%s",
             path.name, self.device, self.dtype, self.num_kv_blocks, config.block_size,
-            backend_cls.name, policy_cls.name, use_cuda_graphs,
+            backend_cls.name, policy_cls.name, use_cuda_graphs, self.async_scheduling,
             config.speculative.describe() if config.speculative else "off",
         )
         plugins.hook.pagelm_engine_started(engine=self)
@@ -130,6 +139,14 @@ class EngineCore:
             )
             raise ValueError(f"enforce_eager=False asks for CUDA graphs, but {why}; leave enforce_eager unset or True")
         return possible and not self.config.enforce_eager
+
+    def _use_async_scheduling(self, use_cuda_graphs: bool) -> bool:
+        """By default where it pays: with CUDA graphs a decode step is one launch, and the host
+        work between steps would leave the GPU idle. Speculative steps need their tokens on
+        the host to propose (``EngineConfig`` rejects asking for both)."""
+        if self.config.async_scheduling is not None:
+            return self.config.async_scheduling
+        return use_cuda_graphs and self.config.speculative is None
 
     def _max_model_len(self) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None)
@@ -180,19 +197,36 @@ class EngineCore:
             self.plugins.hook.pagelm_request_finished(request=req, reason="stop")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or a step in flight whose outputs ``step()`` has yet to return."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        """Run a step; return the outputs of the steps finished meanwhile: this one (synchronous),
+        the previous one (async), or both (async, when this one must run synchronously)."""
         sched_out = self.scheduler.schedule()
         if sched_out.scheduled_new_reqs:
             now = time.time()
             for new in sched_out.scheduled_new_reqs:  # resumed after preemption: keep the first time
                 self._first_scheduled.setdefault(new.req_id, now)
-        # Also when nothing is scheduled: the runner drops finished requests' state, and the
-        # scheduler reports requests that failed before running (a grammar that did not compile).
-        runner_out = self.runner.execute_model(sched_out)
-        outputs, finished = self.scheduler.update_from_output(sched_out, runner_out)
+        # Launched also when nothing is scheduled: the runner drops finished requests' state.
+        run_ahead = self.async_scheduling and not sched_out.is_empty and not sched_out.needs_previous_tokens
+        if run_ahead:
+            previous, self._in_flight = self._in_flight, self.runner.launch(sched_out)
+            # The device runs the step just launched while the host finishes the previous one.
+            return self._finish(previous) if previous is not None else []
+        outputs = []
+        if self._in_flight is not None:  # its tokens are this step's inputs on the host
+            outputs = self._finish(self._in_flight)
+            self._in_flight = None
+        return outputs + self._finish(self.runner.launch(sched_out))
+
+    def _finish(self, pending: PendingStep) -> list[EngineCoreOutput]:
+        """Wait for a launched step's tokens and account for them: stop checks, outputs, freed
+        requests. Also for an empty step: the scheduler reports requests that failed before
+        running (a grammar that did not compile)."""
+        runner_out = self.runner.finish(pending)
+        outputs, finished = self.scheduler.update_from_output(pending.sched, runner_out)
         # Guided decoding: advance the grammars by this step's tokens and fill the next step's
         # bitmask on a worker thread, while the outputs go out and the next step is built.
         self.structured_output.prepare_bitmask()

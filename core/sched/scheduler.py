@@ -4,10 +4,16 @@ There are no prefill and decode phases. Each step every running request is offer
 tokens it still lacks (1 for a decode, a chunk for a prefill) until the budget
 (``max_num_batched_tokens``) or ``max_num_seqs`` runs out; the policy plugin orders the
 waiting queue and picks preemption victims.
+
+A step that samples a request's next token leaves an output placeholder on it until
+``update_from_output`` brings the token. With async scheduling the next step is scheduled
+while one is in flight: a decode's pending token is its next input, and a request whose
+token turns out to end it has its next step's token discarded.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -44,6 +50,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0
+        # Tokens computed for requests that had ended (EOS, stop, abort) before their step
+        # came back: the price of scheduling a step while the previous one is in flight.
+        self.num_discarded_tokens = 0
+        # Steps scheduled and not yet updated, oldest first, with their requests: a late token
+        # goes to the request it was computed for, never to a new one reusing its id.
+        self._unupdated_steps: deque[tuple[SchedulerOutput, list[Request]]] = deque()
         # Guided decoding: grammars compile off the step loop; a request joins the waiting
         # queue once its grammar is ready, or fails with the compile's error.
         self.structured_output = structured_output
@@ -80,6 +92,10 @@ class Scheduler:
         return done
 
     def _free(self, request: Request) -> None:
+        # With async scheduling a step in flight may still compute this request (its token is
+        # discarded). Its blocks are free to reuse at once all the same: the device runs steps
+        # in launch order, so that step's KV writes land before any later step writes or reads
+        # the blocks. The same holds for preemption.
         if request.use_structured_output:
             self.structured_output.release(request)
         self.kv.free(request)
@@ -127,14 +143,16 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, step: "_StepState") -> None:
         # Decodes first, then unfinished prefills: a long prompt never starves decodes.
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        for req in sorted(self.running, key=lambda r: r.num_tokens_with_placeholders - r.num_computed_tokens > 1):
             if step.budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if req.num_output_placeholders and self._placeholders_reach_limit(req):
+                continue  # its token in flight is its last: never schedule past max_tokens
             # Drafts ride after the known tokens; a short budget trims them first.
             num_new = self._num_new_tokens(req, req.num_computed_tokens, step.budget, len(req.spec_token_ids))
-            partial = req.num_computed_tokens + num_new < req.num_tokens
+            partial = req.num_computed_tokens + num_new < req.num_tokens_with_placeholders
             if partial and step.num_partial >= self.config.max_num_partial_prefills:
                 continue
             lookahead = self._num_lookahead(req, req.num_computed_tokens + num_new, partial)
@@ -143,7 +161,7 @@ class Scheduler:
                 continue
             step.book(req, num_new, partial, out)
             step.new_block_ids[req.request_id] = [b.block_id for b in blocks]
-            num_drafts = req.num_computed_tokens + num_new - req.num_tokens
+            num_drafts = req.num_computed_tokens + num_new - req.num_tokens_with_placeholders
             if num_drafts > 0:
                 out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:num_drafts]
 
@@ -172,6 +190,9 @@ class Scheduler:
             self._preempt(victim, out, step)
 
     def _admit(self, req: Request, num_hit_tokens: int, out: SchedulerOutput) -> None:
+        # A request preempted with a step in flight gets that step's token before its next
+        # schedule(): it is never admitted the step it gave way.
+        assert req.num_output_placeholders == 0, f"{req.request_id} admitted with a token in flight"
         self.waiting.pop()
         if req.num_cached_tokens < 0:  # first admission: report prefix hits to the user
             req.num_cached_tokens = num_hit_tokens
@@ -193,21 +214,29 @@ class Scheduler:
 
     def _finalize(self, out: SchedulerOutput, step: "_StepState") -> None:
         new_ids = {r.req_id for r in out.scheduled_new_reqs}
+        scheduled = []
         for req_id, num_new in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
+            scheduled.append(req)
             if req_id not in new_ids:
                 out.scheduled_cached_reqs.append(
                     CachedRequestData(req_id, step.new_block_ids[req_id], req.num_computed_tokens)
                 )
-            if req.grammar is not None and req.num_computed_tokens + num_new >= req.num_tokens:
+            samples = req.num_computed_tokens + num_new >= req.num_tokens_with_placeholders
+            if req.grammar is not None and samples:
                 out.structured_output_request_ids.append(req_id)  # it samples: mask its logits
+            if req.reads_output_history:
+                out.needs_previous_tokens = True
             # Progress is booked at scheduling time; the runner reads the pre-step value.
             req.num_computed_tokens += num_new
+            if samples:
+                req.num_output_placeholders += 1
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
+        self._unupdated_steps.append((out, scheduled))
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int, num_drafts: int = 0) -> int:
-        num_new = req.num_tokens + num_drafts - num_computed
+        num_new = req.num_tokens_with_placeholders + num_drafts - num_computed
         if self.config.long_prefill_token_threshold:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return min(num_new, budget)
@@ -218,6 +247,12 @@ class Scheduler:
         if partial or not self.num_lookahead_tokens:
             return 0
         return max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
+
+    def _placeholders_reach_limit(self, req: Request) -> bool:
+        """Whether the tokens in flight take ``req`` to ``max_tokens`` or ``max_model_len``."""
+        if req.num_tokens_with_placeholders >= self.max_model_len:
+            return True
+        return req.max_tokens is not None and req.num_output_tokens + req.num_output_placeholders >= req.max_tokens
 
     def _allocate_or_preempt(
         self, req: Request, num_new: int, lookahead: int, out: SchedulerOutput, step: "_StepState"
@@ -234,7 +269,9 @@ class Scheduler:
                 return None
 
     def _preempt(self, req: Request, out: SchedulerOutput, step: "_StepState") -> None:
-        """Recompute preemption: free the blocks, forget the progress, queue it again."""
+        """Recompute preemption: free the blocks, forget the progress, queue it again. A token
+        still in flight keeps its placeholder: ``update_from_output`` appends it, and the
+        request recomputes it with the rest when it is admitted again."""
         self.running.remove(req)
         step.unbook(req, out)
         self.kv.free(req)
@@ -250,19 +287,26 @@ class Scheduler:
     def update_from_output(
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> tuple[list[EngineCoreOutput], list[Request]]:
-        """Append sampled tokens, check stop conditions, free finished requests."""
+        """Turn the step's placeholders into the sampled tokens, check stop conditions, free
+        finished requests (preempted ones too: their token came back after they gave way)."""
         outputs = [EngineCoreOutput(r.request_id, [], finish_reason="error", error=r.error) for r in self._failed]
         finished, self._failed = self._failed, []
         index = {req_id: i for i, req_id in enumerate(runner_out.req_ids)}
-        for req_id in sched_out.num_scheduled_tokens:
-            req = self.requests.get(req_id)
-            if req is None:  # aborted while the step ran
+        for req in self._scheduled_requests(sched_out):
+            req_id = req.request_id
+            if req.is_finished:  # it ended (EOS, stop, abort) while this step was in flight
+                self.num_discarded_tokens += sched_out.num_scheduled_tokens[req_id]
                 continue
             i = index[req_id]
             prompt_lps = runner_out.prompt_logprobs.get(req_id)
-            if req.num_computed_tokens >= req.num_prompt_tokens:
+            # A step that did not reach the end of the request (a prefill chunk) sampled
+            # nothing: with async scheduling its placeholder belongs to the step after it,
+            # which the runner's empty list for this one tells apart.
+            new_ids = runner_out.sampled_token_ids[i] if req.num_output_placeholders else []
+            if new_ids:
+                req.num_output_placeholders -= 1
                 req.prompt_logprobs_done = True
-            new_ids = runner_out.sampled_token_ids[i] if req.num_computed_tokens >= req.num_tokens else []
+            was_running = req.status == RequestStatus.RUNNING
             drafts = sched_out.scheduled_spec_decode_tokens.get(req_id, ())
             num_accepted = len(new_ids) - 1 if drafts else 0
             if drafts:
@@ -293,10 +337,22 @@ class Scheduler:
                 )
             )
             if req.is_finished:
-                self.running.remove(req)
+                if was_running:
+                    self.running.remove(req)
+                else:  # preempted while its step was in flight
+                    self.waiting.remove(req)
                 self._free(req)
                 finished.append(req)
         return outputs, finished
+
+    def _scheduled_requests(self, sched_out: SchedulerOutput) -> list[Request]:
+        """The requests ``schedule()`` gave ``sched_out`` (steps before it that were never
+        updated are forgotten)."""
+        while self._unupdated_steps:
+            out, requests = self._unupdated_steps.popleft()
+            if out is sched_out:
+                return requests
+        raise ValueError("update_from_output: this SchedulerOutput was not scheduled here, or was already updated")
 
     def _append_output_tokens(self, req: Request, new_ids: list[int]) -> list[int]:
         """Append the step's tokens one at a time, so an EOS, a stop token or ``max_tokens``

@@ -1,21 +1,36 @@
 """CUDA graphs for decode steps: one graph per captured batch size, replayed with the batch
-padded up to the next captured size.
+padded up to the next captured size. A runner captures steps of ``q`` query tokens per
+request: ``q = 1`` for plain decode, ``q = 1 + k`` for speculative verification (each
+request's last known token and up to ``k`` drafts; ``pagelm.worker.spec_decode``).
 
 A decode step's kernels have fixed shapes for a given batch size, so the whole step (every
-layer's projections, norms, rotary, KV store and attention, and the LM head) is recorded once
-and replayed with a single launch; Python and kernel-launch overhead, which dominate
-small-batch decode, disappear.
+layer's projections, norms, rotary, KV store and attention, and the LM head over every query
+token) is recorded once and replayed with a single launch; Python and kernel-launch overhead,
+which dominate small-batch decode, disappear.
 
-Host work per replay is kept to one host-to-device copy and one device copy. A decode needs
-only each request's next token id, its ``seq_len`` and its block-table row: the graph itself
-derives ``positions = seq_len - 1``, ``slot_mapping`` (from the block table) and the
+Host work per replay is kept to one host-to-device copy and one device copy. A step needs
+only each request's query token ids, its ``seq_len`` and its block-table row: the graph itself
+derives ``positions = seq_len - q + j``, ``slot_mapping`` (from the block table) and the
 attention's ``seq_lens``, so those never cross the bus::
 
-    pinned staging (int64):  | input_ids [R] | seq_lens [R] | block rows [n x cols] |
-                                                  0 = padding row: slot -1, attends 1 key
+    pinned staging (int64):  | input_ids [R x q] | seq_lens [R] | block rows [n x cols] |
+                               -1 = padding token   0 = padding request: slots -1, attends 1 key
+
+A request's tokens are the last ``q`` positions up to its ``seq_len``. One with fewer real
+tokens (fewer drafts this step) is padded in front::
+
+    1 draft, q = 4, seq_len s:   input_ids | -1   -1   x    d1  |
+                                 positions | s-4  s-3  s-2  s-1 |   slots | -1 -1 ok ok |
+
+The padding tokens sit on positions the request has already cached: they store nothing
+(slot -1), their logits rows are ignored, and the real tokens attend causally to the cache,
+which still holds those positions' keys. Padding in front rather than behind keeps every
+position below ``seq_len``, so inside the request's allocated blocks and ``max_model_len``
+(positions below 0, a prompt shorter than ``q``, are clamped to 0; no real token sees them).
 
 The attention backend's ``build_for_cudagraph`` makes its host-side choices from the batch
-size alone; ``prepare_cudagraph_replay`` (optional) lets it refresh its own buffers per step.
+size (and ``q``) alone; ``prepare_cudagraph_replay`` (optional) lets it refresh its own
+buffers per step.
 """
 
 from __future__ import annotations
@@ -42,7 +57,14 @@ def capture_sizes(max_num_seqs: int, max_num_tokens: int) -> list[int]:
     return sorted({s for s in sizes if s <= limit} | {limit})
 
 
+# Staged in place of a token id: a padding token (stores nothing; its logits row is ignored).
+PAD_TOKEN = -1
+
+
 class CudaGraphRunner:
+    """The graphs of one query length ``q`` (1: decode; ``1 + k``: verification), one per
+    batch size in ``sizes``, over persistent buffers of their own (the block table is shared)."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -51,26 +73,29 @@ class CudaGraphRunner:
         sizes: list[int],
         max_seq_len: int,
         block_size: int,
+        query_len: int = 1,
     ) -> None:
         self.model = model
         self.builder = builder
         self.sizes = sorted(sizes)
         self.max_seq_len = max_seq_len
         self.block_size = block_size
+        self.query_len = q = query_len
         self.block_table = buffers.block_table  # shared with eager steps: full-width rows
         r, max_blocks = self.max_size, buffers.max_blocks_per_req
         device = buffers.device
-        self.staging = torch.zeros(2 * r + r * max_blocks, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.staging = torch.zeros(r * q + r + r * max_blocks, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.staging_np = self.staging.numpy()
         self.staging_dev = torch.zeros_like(self.staging, device=device)
         # Written by the graph from the staging copy.
-        self.input_ids = torch.zeros(r, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(r, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.zeros(r, dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(r * q, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(r * q, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(r * q, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(r, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(r + 1, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(r + 1, dtype=torch.int32, device=device) * q
+        self._position_offsets = torch.arange(q, dtype=torch.int64, device=device) - q  # j - q
         self._seq_lens_host = torch.ones(r, dtype=torch.int32)
-        self._qsl_host = torch.arange(r + 1, dtype=torch.int32)
+        self._qsl_host = torch.arange(r + 1, dtype=torch.int32) * q
         self._builder_prepares = getattr(
             type(builder), "prepare_cudagraph_replay", AttentionMetadataBuilder.prepare_cudagraph_replay
         ) is not AttentionMetadataBuilder.prepare_cudagraph_replay
@@ -83,20 +108,22 @@ class CudaGraphRunner:
         return self.sizes[-1]
 
     def padded_size(self, num_reqs: int) -> int | None:
-        """The smallest captured size that holds ``num_reqs`` decodes (None: run eagerly)."""
+        """The smallest captured size that holds ``num_reqs`` requests (None: run eagerly)."""
         i = bisect.bisect_left(self.sizes, num_reqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
     def common_metadata(self, size: int, seq_lens_cpu: torch.Tensor | None = None) -> CommonAttentionMetadata:
+        """The layout of ``size`` requests of ``q`` tokens each, over the graph's buffers."""
+        q = self.query_len
         return CommonAttentionMetadata(
             num_reqs=size,
-            num_actual_tokens=size,
-            max_query_len=1,
+            num_actual_tokens=size * q,
+            max_query_len=q,
             max_seq_len=self.max_seq_len,
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
             block_table=self.block_table[:size],
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=self.slot_mapping[: size * q],
             query_start_loc_cpu=self._qsl_host[: size + 1],
             seq_lens_cpu=self._seq_lens_host[:size] if seq_lens_cpu is None else seq_lens_cpu,
             block_size=self.block_size,
@@ -104,21 +131,24 @@ class CudaGraphRunner:
 
     # ---- per step ------------------------------------------------------------------------
     def load(
-        self, input_ids: list[int], seq_lens: np.ndarray, block_rows: np.ndarray, size: int,
+        self, input_ids, seq_lens: np.ndarray, block_rows: np.ndarray, size: int,
         num_common_prefix_blocks: int = 0,
     ) -> bool:
-        """Stage one decode batch of ``n = len(input_ids)`` requests padded to ``size``.
-        False: the attention backend declined the graph for this batch (run it eagerly)."""
+        """Stage ``n = len(block_rows)`` requests padded to ``size``: ``input_ids`` holds
+        ``q`` ids per request (``PAD_TOKEN`` in front of a request with fewer), ``seq_lens``
+        each request's length after this step. False: the attention backend declined the
+        graph for this batch (run it eagerly)."""
         n, cols = block_rows.shape
-        r, host = self.max_size, self.staging_np
-        host[:n] = input_ids
-        host[n:size] = 0
-        host[r : r + n] = seq_lens
-        host[r + n : r + size] = 0
-        end = 2 * r + n * cols
-        host[2 * r : end] = block_rows.reshape(-1)
+        q, r, host = self.query_len, self.max_size, self.staging_np
+        rq = r * q  # where seq_lens start
+        host[: n * q] = input_ids
+        host[n * q : size * q] = PAD_TOKEN
+        host[rq : rq + n] = seq_lens
+        host[rq + n : rq + size] = 0
+        end = rq + r + n * cols
+        host[rq + r : end] = block_rows.reshape(-1)
         self.staging_dev[:end].copy_(self.staging[:end], non_blocking=True)
-        self.block_table[:n, :cols].copy_(self.staging_dev[2 * r : end].view(n, cols), non_blocking=True)
+        self.block_table[:n, :cols].copy_(self.staging_dev[rq + r : end].view(n, cols), non_blocking=True)
         if not self._builder_prepares:
             return True
         seq_lens_cpu = torch.ones(size, dtype=torch.int32)
@@ -128,35 +158,48 @@ class CudaGraphRunner:
         common.num_common_prefix_blocks = num_common_prefix_blocks
         return self.builder.prepare_cudagraph_replay(common, n)
 
+    def feed_input_ids(self, index: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """After ``load``, before ``replay``: overwrite the staged input ids at ``index`` (flat:
+        ``request * q + j``) device to device. Async scheduling feeds a decode the token its
+        previous step sampled, which the host has not seen yet."""
+        self.staging_dev.index_copy_(0, index, token_ids)
+
     def replay(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the graph for ``size`` (inputs already loaded): ``(hidden, logits)``."""
+        """Run the graph for ``size`` (inputs already loaded): ``(hidden, logits)``, one row
+        per query token (``size * q`` rows)."""
         self.graphs[size].replay()
         self.num_replays += 1
         return self.outputs[size]
 
     # ---- capture -------------------------------------------------------------------------
     def _derive_inputs(self, size: int) -> None:
-        """In-graph: the decode inputs that follow from (token, seq_len, block table)."""
-        r, bs = self.max_size, self.block_size
-        raw_seq_lens = self.staging_dev[r : r + size]
-        self.input_ids[:size].copy_(self.staging_dev[:size])
-        positions = (raw_seq_lens - 1).clamp_(min=0)
-        self.positions[:size].copy_(positions)
+        """In-graph: the step's inputs that follow from (tokens, seq_len, block table)."""
+        q, bs = self.query_len, self.block_size
+        rq, num_tokens = self.max_size * q, size * q
+        tokens = self.staging_dev[:num_tokens].view(size, q)
+        raw_seq_lens = self.staging_dev[rq : rq + size]
+        positions = (raw_seq_lens[:, None] + self._position_offsets).clamp_(min=0)
+        self.input_ids[:num_tokens].copy_(tokens.clamp(min=0).view(-1))
+        self.positions[:num_tokens].copy_(positions.view(-1))
         self.seq_lens[:size].copy_(raw_seq_lens.clamp(min=1))
-        block = self.block_table[:size].gather(1, (positions // bs)[:, None])[:, 0].long()
-        slots = torch.where(raw_seq_lens > 0, block * bs + positions % bs, -1)
-        self.slot_mapping[:size].copy_(slots)
+        block = self.block_table[:size].gather(1, positions // bs).long()
+        real = (tokens >= 0) & (raw_seq_lens > 0)[:, None]
+        slots = torch.where(real, block * bs + positions % bs, -1)
+        self.slot_mapping[:num_tokens].copy_(slots.view(-1))
 
     def _step(self, size: int, md) -> tuple[torch.Tensor, torch.Tensor]:
         self._derive_inputs(size)
+        num_tokens = size * self.query_len
         with forward_context(ForwardContext(attn_metadata=md)):
-            hidden = self.model(self.input_ids[:size], self.positions[:size])
+            hidden = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
         return hidden, self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool: tuple[int, int] | None = None) -> tuple[int, int]:
+        """Capture every size into ``pool`` (a new one if None: the graphs of several runners
+        may share one, since they never replay at once); returns the pool."""
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         self.staging_dev.zero_()  # every row a padding row: nothing is stored while capturing
         # Largest first: smaller graphs reuse the memory pool the largest one reserved.
         for size in reversed(self.sizes):
@@ -169,5 +212,7 @@ class CudaGraphRunner:
             self.graphs[size] = graph
         torch.cuda.synchronize()
         logger.info(
-            "captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes, time.perf_counter() - start
+            "captured CUDA graphs for batch sizes %s x %d query token(s) in %.1f s",
+            self.sizes, self.query_len, time.perf_counter() - start,
         )
+        return pool

@@ -5,7 +5,12 @@ changed) and each request's row of a persistent CPU block table; every step it w
 ``input_ids``, ``positions``, ``slot_mapping``, ``query_start_loc``, ``seq_lens`` and the
 block table into persistent buffers (``InputBuffers``: pinned staging, non-blocking copies),
 runs the model (or replays a CUDA graph for a decode batch), samples the last token of every
-request and returns plain lists. ``.tolist()`` on the sampled ids is the one host sync per step.
+request and returns plain lists.
+
+A step is ``launch`` (queue all of that, and the copy of the sampled ids to host memory) then
+``finish`` (wait for that copy: the one host sync per step). ``execute_model`` does both; with
+async scheduling the engine launches the next step before finishing this one (see
+``pagelm.worker.pending_step``).
 
 Start-up, in the order ``EngineCore`` calls it: ``profile_run`` (peak memory of a worst-case
 step, to size the KV pool), ``initialize_kv_cache``, ``capture_cuda_graphs``.
@@ -33,12 +38,14 @@ from pagelm.config import EngineConfig
 from pagelm.kv_cache import cdiv
 from pagelm.sample import Sampler, SamplingMetadata
 from pagelm.sample.bitmask import apply_token_bitmask
+from pagelm.sample.sampler import LogprobsTensors
 from pagelm.sampling_params import SamplingParams
 from pagelm.sched.output import SchedulerOutput
 from pagelm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagelm.worker.input_buffers import InputBuffers
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
-from pagelm.worker.sampling_inputs import build_sampling_metadata
+from pagelm.worker.pending_step import PLACEHOLDER_TOKEN, PendingStep, logprobs_lists
+from pagelm.worker.sampling_inputs import build_sampling_metadata, to_device
 from pagelm.worker.spec_decode import SpecDecodeRunner
 
 logger = logging.getLogger("pagelm")
@@ -47,7 +54,7 @@ logger = logging.getLogger("pagelm")
 @dataclass
 class CachedRequestState:
     req_id: str
-    token_ids: list[int]  # prompt + outputs known so far
+    token_ids: list[int]  # prompt + outputs so far (a step in flight: PLACEHOLDER_TOKEN)
     num_prompt_tokens: int
     sampling_params: SamplingParams
     block_ids: list[int]
@@ -104,6 +111,11 @@ class ModelRunner:
         self.structured_output = None
         # Speculative decoding (enable_speculative_decoding): verification and proposals.
         self.spec: SpecDecodeRunner | None = None
+        # The last step launched, until it is finished: the next step reads its samples.
+        self._in_flight: PendingStep | None = None
+        # Recorded once a step's host-to-device input copies are queued: the next step waits
+        # for it before it rewrites the pinned staging those copies read.
+        self._inputs_uploaded = torch.cuda.Event() if device.type == "cuda" else None
 
     def enable_speculative_decoding(self, proposer) -> None:
         """Verify drafts and ask ``proposer`` for new ones every step. Before the KV cache is
@@ -178,7 +190,9 @@ class ModelRunner:
         self.cuda_graphs = CudaGraphRunner(
             self.model, self.buffers, self.metadata_builder, sizes, self.max_model_len, self.block_size
         )
-        self.cuda_graphs.capture()
+        pool = self.cuda_graphs.capture()
+        if self.spec is not None:  # graphs of steps verifying drafts, in the same memory pool
+            self.spec.capture_cuda_graphs(self, pool)
 
     # ---- request state -------------------------------------------------------------------
     def _add_state(self, state: CachedRequestState) -> CachedRequestState:
@@ -216,10 +230,18 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step to the end: ``launch`` it, then ``finish`` it."""
+        return self.finish(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> PendingStep:
+        """Queue one step on the device: its inputs, the forward pass, sampling, and the copy of
+        the sampled ids to host memory; return without waiting for it. Each request that
+        samples gets a placeholder at the end of its token list until ``finish``."""
         self._update_states(sched)
         req_ids = list(sched.num_scheduled_tokens)
         if not req_ids:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return PendingStep.done(sched, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         num_computed = {r.req_id: r.num_computed_tokens for r in sched.scheduled_new_reqs}
         num_computed.update({r.req_id: r.num_computed_tokens for r in sched.scheduled_cached_reqs})
         states = [self.requests[r] for r in req_ids]
@@ -229,33 +251,87 @@ class ModelRunner:
         spec_tokens = sched.scheduled_spec_decode_tokens
         if spec_tokens:  # some requests verify drafts: see pagelm.worker.spec_decode
             drafts = [spec_tokens.get(r, ()) for r in req_ids]
-            step = self._prepare_inputs(states, starts, counts, drafts=drafts)
-            return self.spec.execute(self, sched, req_ids, states, starts, counts, drafts, step)
+            return PendingStep.done(sched, self.spec.execute(self, sched, req_ids, states, starts, counts, drafts))
+        previous, self._in_flight = self._in_flight, None
+        if self._inputs_uploaded is not None:
+            with host_sync_point():  # the previous step's uploads have read the pinned staging
+                self._inputs_uploaded.synchronize()
         step = self._prepare_inputs(states, starts, counts)
-        # Built while the GPU runs the forward pass queued by _logits.
+        if previous is not None:
+            self._feed_samples(previous, step, states, starts, counts)
+        if self._inputs_uploaded is not None:
+            self._inputs_uploaded.record()
+        # Before this step's placeholders: seeds and min_tokens count the outputs before it.
         md = build_sampling_metadata(states, self.eos_token_ids, self.vocab_size, self.device)
         logits, hidden = self._logits(step, return_hidden=True)
         if sched.structured_output_request_ids and self.structured_output is not None:
             self._apply_grammar(logits, sched.structured_output_request_ids, req_ids)
         sampled = self.sampler(logits, md, self.generator)
+        prompt_logprobs = self._prompt_logprobs_tensors(states, starts, counts, hidden, step.common)
 
-        with host_sync_point():  # the one host sync per step: the sampled ids (+ logprobs)
-            prompt_logprobs = self._prompt_logprobs(states, starts, counts, hidden, step.common)
-            sampled_ids = sampled.sampled_token_ids.tolist()
-            logprobs = _split_logprobs(sampled.logprobs, states)
+        pending = PendingStep(sched, req_ids, states, self._add_placeholders(states, starts, counts))
+        pending.copy_to_host(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs)
+        if self.spec is not None:
+            pending.inputs, pending.hidden, pending.starts, pending.counts = step, hidden, starts, counts
+        self._in_flight = pending
+        return pending
+
+    @torch.inference_mode()
+    def finish(self, pending: PendingStep) -> ModelRunnerOutput:
+        """Wait for a launched step's samples (the one host sync per step) and return them as
+        plain lists; they replace the step's placeholders in the token lists."""
+        if pending.output is not None:
+            return pending.output
+        if self._in_flight is pending:
+            self._in_flight = None  # the next step finds all of its inputs on the host
+        with host_sync_point():
+            pending.wait()
+        sampled_ids = pending.sampled_host.tolist()
+        logprobs = _split_logprobs(pending.logprobs_host, pending.states)
+        prompt_logprobs = {r: logprobs_lists(t) for r, t in pending.prompt_logprobs_host.items()}
 
         out_ids: list[list[int]] = []
-        for state, start, count, token in zip(states, starts, counts, sampled_ids):
-            if start + count >= len(state.token_ids):  # reached the end: the sample is real
-                state.token_ids.append(token)
-                state.output_token_ids.append(token)
-                out_ids.append([token])
-            else:  # a prefill chunk that stops short: nothing to sample yet
+        for state, position, token in zip(pending.states, pending.sample_positions, sampled_ids):
+            if position < 0:  # a prefill chunk that stops short: nothing to sample yet
                 out_ids.append([])
-        out = ModelRunnerOutput(req_ids, out_ids, logprobs, prompt_logprobs)
+                continue
+            state.token_ids[position] = token
+            state.output_token_ids[position - state.num_prompt_tokens] = token
+            out_ids.append([token])
+        out = ModelRunnerOutput(pending.req_ids, out_ids, logprobs, prompt_logprobs)
         if self.spec is not None:
-            out.draft_token_ids = self.spec.propose(self, step, hidden, states, starts, counts, None, out_ids)
+            out.draft_token_ids = self.spec.propose(
+                self, pending.inputs, pending.hidden, pending.states, pending.starts, pending.counts, None, out_ids
+            )
         return out
+
+    @staticmethod
+    def _add_placeholders(states, starts, counts) -> list[int]:
+        """A placeholder for the token each request samples this step (one whose step reaches
+        the end of its tokens); returns where each went (-1: this step samples nothing)."""
+        positions = []
+        for state, start, count in zip(states, starts, counts):
+            if start + count >= len(state.token_ids):
+                positions.append(len(state.token_ids))
+                state.token_ids.append(PLACEHOLDER_TOKEN)
+                state.output_token_ids.append(PLACEHOLDER_TOKEN)
+            else:
+                positions.append(-1)
+        return positions
+
+    def _feed_samples(self, previous: PendingStep, step: StepInputs, states, starts, counts) -> None:
+        """Inputs that are samples of ``previous``, a step not finished yet (a decode right
+        after it; async scheduling): copied device to device into this step's input ids over
+        the placeholders the host wrote, with one small index upload."""
+        dst, src = previous.feeds(states, starts, counts)
+        if not dst:
+            return
+        index = to_device([dst, src], torch.long, self.device)
+        token_ids = previous.sampled.index_select(0, index[1])
+        if step.input_ids is None:  # a CUDA graph replay reads its staged copy
+            self.cuda_graphs.feed_input_ids(index[0], token_ids)
+        else:
+            step.input_ids.index_copy_(0, index[0], token_ids)
 
     def _logits(self, step: StepInputs, return_hidden: bool = False, logits_indices: torch.Tensor | None = None):
         """Queue the forward pass and the LM head over each request's last token (or over
@@ -387,8 +463,13 @@ class ModelRunner:
         return StepInputs(num_reqs, num_reqs, common, None, None, True, graph_size)
 
     def _prompt_logprobs(self, states, starts, counts, hidden, common) -> dict[str, LogprobsLists]:
+        """``_prompt_logprobs_tensors`` on the host (a device read: inside a host sync point)."""
+        tensors = self._prompt_logprobs_tensors(states, starts, counts, hidden, common)
+        return {req_id: logprobs_lists(t) for req_id, t in tensors.items()}
+
+    def _prompt_logprobs_tensors(self, states, starts, counts, hidden, common) -> dict[str, LogprobsTensors]:
         """Logits at position ``p`` score prompt token ``p + 1``; a chunk ``[c, c+n)`` scores
-        prompt tokens ``c+1 .. min(c+n, P-1)``."""
+        prompt tokens ``c+1 .. min(c+n, P-1)``. Queued on the device, no host sync."""
         out = {}
         qsl = common.query_start_loc_cpu.tolist()
         for i, (state, start, count) in enumerate(zip(states, starts, counts)):
@@ -399,10 +480,8 @@ class ModelRunner:
                 continue
             k = state.sampling_params.prompt_logprobs
             logits = self.model.compute_logits(hidden[qsl[i] : qsl[i] + num])
-            targets = torch.tensor(
-                state.token_ids[start + 1 : start + 1 + num], device=logits.device, dtype=torch.long
-            )
-            out[state.req_id] = logprobs_lists(torch.log_softmax(logits.float(), dim=-1), targets, k)
+            targets = to_device(state.token_ids[start + 1 : start + 1 + num], torch.long, logits.device)
+            out[state.req_id] = chosen_and_top_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, k)
         return out
 
 
@@ -442,14 +521,14 @@ def host_sync_point():
         torch.cuda.set_sync_debug_mode(mode)
 
 
-def logprobs_lists(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobsLists:
+def chosen_and_top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobsTensors:
     """Chosen token first, then the top ``k``; rank = 1 + count of strictly likelier tokens."""
     chosen_lp = logprobs.gather(1, chosen[:, None])
     ranks = (logprobs > chosen_lp).sum(dim=1) + 1
     top_lp, top_ids = logprobs.topk(k, dim=1) if k > 0 else (logprobs[:, :0], chosen[:, None][:, :0])
     ids = torch.cat([chosen[:, None], top_ids], dim=1)
     lps = torch.cat([chosen_lp, top_lp], dim=1)
-    return LogprobsLists(ids.tolist(), lps.tolist(), ranks.tolist())
+    return LogprobsTensors(ids, lps, ranks)
 
 
 def _split_logprobs(tensors, states) -> list[LogprobsLists | None]:

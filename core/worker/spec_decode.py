@@ -9,21 +9,61 @@ the drafts); the logits of all ``1 + k`` positions are computed, one row each::
                                              r1: 4 rows       r2: 1 row
 
 The rejection sampler turns them into the accepted drafts plus one token of the target's.
-Such steps run eagerly: CUDA graphs cover uniform one-token decode steps only.
+
+On CUDA, a step where every request is a decode (its last known token, then 0..k drafts)
+replays a *verification graph*: ``q = 1 + k`` query tokens per request, a request with fewer
+drafts padded in front (``CudaGraphRunner`` has the layout), logits for all ``q`` rows, of
+which the rejection sampler reads each request's last ``1 + d``::
+
+    graph rows  | r1: x  d1 d2 d3 | r2: -  -  -  y |      (q = 4; - = padding, slot -1)
+
+Steps mixing prefill chunks with drafts run eagerly, as do batches above the largest
+captured size and backends without ``cuda_graph_uniform_batch`` (FlashInfer). A step with no
+drafts at all is plain decode (the one-token graphs). The proposer runs after verification,
+eagerly (the EAGLE head's passes are not captured).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from pagelm.attention import CommonAttentionMetadata
+from pagelm.kv_cache import cdiv
 from pagelm.sample import RejectionSampler
 from pagelm.sample.sampler import LogprobsTensors
 from pagelm.spec_decode.proposer import ProposalBatch, Proposer, decode_attention_metadata
+from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner, capture_sizes
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
 from pagelm.worker.sampling_inputs import build_sampling_metadata
+
+logger = logging.getLogger("pagelm")
+
+# Verification graphs are captured for batches up to this size. Each captured size keeps its
+# own [size * q, vocab] logits alive (about 100 MB over the sizes 1..32 at q = 4 and a
+# 152k vocabulary in bf16), and each costs a capture at start-up; past 32 requests of q
+# tokens a step is large enough that launch overhead matters much less.
+MAX_VERIFY_GRAPH_BATCH = 32
+
+
+@dataclass
+class VerifyGraphStep:
+    """A verification step as a replay of a captured graph: the ``n`` real requests' view of
+    the graph's buffers (``q`` rows each, padding in front), which the graph fills when it
+    replays. ``common.query_start_loc_cpu`` is ``arange * q``; host copies are real."""
+
+    graph_size: int
+    query_len: int  # q
+    common: CommonAttentionMetadata
+    input_ids: torch.Tensor  # [n * q]
+    positions: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.common.num_actual_tokens
 
 
 @dataclass(slots=True)
@@ -49,16 +89,67 @@ class SpecDecodeRunner:
         self.token_table = np.zeros((max_num_reqs, max_model_len), dtype=np.int32) if proposer.uses_token_ids else None
         self._table_len = np.zeros(max_num_reqs, dtype=np.int64)
         self._table_owner: list[str | None] = [None] * max_num_reqs
+        self.graphs: CudaGraphRunner | None = None  # verification graphs (CUDA only)
+
+    # ---- verification graphs -------------------------------------------------------------
+    def capture_cuda_graphs(self, runner, pool: tuple[int, int] | None) -> None:
+        """Capture verification graphs (``q = 1 + k`` tokens per request) into ``pool``, for
+        batch sizes up to ``MAX_VERIFY_GRAPH_BATCH``, when the attention backend can."""
+        if not runner.backend.cuda_graph_uniform_batch:
+            logger.info(
+                "attention backend %r has no verification graphs: steps verifying drafts run eagerly",
+                runner.backend.name,
+            )
+            return
+        q = 1 + self.num_speculative_tokens
+        max_reqs = min(runner.max_num_reqs, MAX_VERIFY_GRAPH_BATCH)
+        max_reqs_by_tokens = runner.config.max_num_batched_tokens // q
+        if min(max_reqs, max_reqs_by_tokens) < 1:
+            return
+        self.graphs = CudaGraphRunner(
+            runner.model, runner.buffers, runner.metadata_builder, capture_sizes(max_reqs, max_reqs_by_tokens),
+            runner.max_model_len, runner.block_size, query_len=q,
+        )
+        self.graphs.capture(pool)
+
+    def _graph_step(self, runner, states, starts, counts, drafts) -> VerifyGraphStep | None:
+        """The step staged for a verification graph, when every request is a decode (its
+        last known token, then its drafts) and a captured size holds the batch; None: run
+        it eagerly."""
+        graphs = self.graphs
+        size = None if graphs is None else graphs.padded_size(len(states))
+        if size is None:
+            return None
+        n, q = len(states), graphs.query_len
+        tokens = np.full((n, q), PAD_TOKEN, dtype=np.int64)
+        for i, (state, start, count, d) in enumerate(zip(states, starts, counts, drafts)):
+            if count != 1 + len(d) or start + 1 != len(state.token_ids):
+                return None  # a prefill chunk
+            assert count <= q, f"{len(d)} drafts, more than num_speculative_tokens={q - 1}"
+            tokens[i, q - count] = state.token_ids[start]
+            tokens[i, q - count + 1 :] = d
+        seq_lens = np.asarray(starts, dtype=np.int64) + np.asarray(counts, dtype=np.int64)
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
+        table_rows = runner.block_table_cpu[rows, : cdiv(int(seq_lens.max()), runner.block_size)]
+        # Graphs hold no cascade attention: no common prefix is offered.
+        if not graphs.load(tokens.reshape(-1), seq_lens, table_rows, size):
+            return None
+        common = graphs.common_metadata(n, torch.from_numpy(seq_lens.astype(np.int32)))
+        common.block_table_cpu = torch.from_numpy(table_rows)
+        return VerifyGraphStep(size, q, common, graphs.input_ids[: n * q], graphs.positions[: n * q])
 
     # ---- verification --------------------------------------------------------------------
-    def execute(self, runner, sched, req_ids, states, starts, counts, drafts, step) -> ModelRunnerOutput:
+    def execute(self, runner, sched, req_ids, states, starts, counts, drafts) -> ModelRunnerOutput:
         """Forward pass, verification and proposal for a step where some requests carry drafts."""
+        step = self._graph_step(runner, states, starts, counts, drafts)
+        if step is None:
+            step = runner._prepare_inputs(states, starts, counts, drafts=drafts)
         num_drafts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
-        qsl = np.concatenate([[0], np.cumsum(counts)])
+        counts_np = np.asarray(counts, dtype=np.int64)
         rows_per_req = num_drafts + 1
         row_start = np.concatenate([[0], np.cumsum(rows_per_req)[:-1]])
         # Logits rows: the last 1 + d_i positions of request i.
-        first = qsl[1:] - rows_per_req
+        first = first_token_index(step, counts_np) + counts_np - rows_per_req
         logits_indices = np.repeat(first - row_start, rows_per_req) + np.arange(int(rows_per_req.sum()))
         # Penalties read each row's output history; otherwise only its length matters (seeds
         # keyed on the output index, min_tokens), and no history is copied.
@@ -70,7 +161,11 @@ class SpecDecodeRunner:
         ]
         md = build_sampling_metadata(rows, runner.eos_token_ids, runner.vocab_size, runner.device)
         index = torch.from_numpy(logits_indices).to(runner.device, non_blocking=True)
-        logits, hidden = runner._logits(step, return_hidden=True, logits_indices=index)
+        if isinstance(step, VerifyGraphStep):
+            hidden, logits = self.graphs.replay(step.graph_size)
+            hidden, logits = hidden[: step.num_tokens], logits[index]
+        else:
+            logits, hidden = runner._logits(step, return_hidden=True, logits_indices=index)
         if sched.structured_output_request_ids and runner.structured_output is not None:
             # Guided requests carry no drafts: one row each, at row_start.
             runner._apply_grammar(logits, sched.structured_output_request_ids, req_ids, rows_of=row_start.tolist())
@@ -100,10 +195,10 @@ class SpecDecodeRunner:
         starts_np = np.asarray(starts, dtype=np.int64)
         if num_drafts is None:
             num_drafts = np.zeros(n, dtype=np.int64)
-        qsl = np.concatenate([[0], np.cumsum(counts_np)])
+        first = first_token_index(step, counts_np)
         num_out = np.fromiter((len(o) for o in out_ids), dtype=np.int64, count=n)
         sampled = num_out > 0
-        last_index = np.where(sampled, qsl[:-1] + counts_np - 1 - num_drafts + num_out - 1, qsl[1:] - 1)
+        last_index = np.where(sampled, first + counts_np - 1 - num_drafts + num_out - 1, first + counts_np - 1)
         next_tokens = np.fromiter(
             (o[-1] if o else s.token_ids[c + cnt] for o, s, c, cnt in zip(out_ids, states, starts, counts)),
             dtype=np.int64, count=n,
@@ -130,7 +225,7 @@ class SpecDecodeRunner:
             hidden_states=hidden,
             common=common,
             last_token_index=last_index,
-            last_token_position=starts_np + last_index - qsl[:-1],
+            last_token_position=starts_np + last_index - first,
             next_token_ids=next_tokens,
             block_table_cpu=runner.block_table_cpu,
             rows=rows,
@@ -168,6 +263,15 @@ class SpecDecodeRunner:
                 self.token_table[row, have : len(s.token_ids)] = s.token_ids[have:]
                 self._table_len[row] = len(s.token_ids)
         return self.token_table[rows, : int(num_tokens.max())]
+
+
+def first_token_index(step, counts: np.ndarray) -> np.ndarray:
+    """Flat index of each request's first scheduled token: packed one after another, or, in a
+    verification graph, the last ``counts[i]`` of ``q`` rows per request (padding in front)."""
+    if isinstance(step, VerifyGraphStep):
+        q = step.query_len
+        return np.arange(len(counts), dtype=np.int64) * q + q - counts
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
 
 
 def _host_sync_point():

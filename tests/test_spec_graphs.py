@@ -1,0 +1,255 @@
+"""Verification graphs: speculative steps where every request is a decode replay a CUDA graph
+of ``q = 1 + k`` query tokens per request, padded in front.
+
+On the CPU the graphs' logic runs without CUDA: the in-graph input derivation is called
+eagerly, and the whole engine runs with ``capture``/``replay`` standing in as eager calls of
+the captured step (the triton backend under Triton's interpreter), so every host-side path
+(staging, padding, logits rows, the proposers' view of the step) is checked here. The ``gpu``
+test replays real graphs.
+"""
+
+import gc
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+from pagelm import LLM, SamplingParams
+from pagelm.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
+from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner
+from pagelm.worker.input_buffers import InputBuffers
+from pagelm.worker.model_runner import CachedRequestState
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+# ---- the in-graph inputs --------------------------------------------------------------------
+
+
+def test_verify_graph_inputs_are_derived_from_tokens_seq_len_and_block_row():
+    """q = 4: a request with 3 drafts, one with 1 (two padding tokens in front), one with none
+    and a sequence shorter than q (positions clamped at 0), and a padding request."""
+    buffers = InputBuffers(max_num_tokens=64, max_num_reqs=4, max_blocks_per_req=8, device=torch.device("cpu"))
+    graphs = CudaGraphRunner(
+        model=None, buffers=buffers, builder=None, sizes=[1, 2, 4], max_seq_len=32, block_size=4, query_len=4
+    )
+    block_rows = np.array([[7, 3, 9], [5, 8, 0], [6, 0, 0]], dtype=np.int32)
+    tokens = [11, 12, 13, 14, PAD_TOKEN, PAD_TOKEN, 21, 22, PAD_TOKEN, PAD_TOKEN, PAD_TOKEN, 31]
+    graphs.load(tokens, np.array([10, 6, 2]), block_rows, size=4)
+    graphs._derive_inputs(4)
+    assert graphs.input_ids[:16].tolist() == [11, 12, 13, 14, 0, 0, 21, 22, 0, 0, 0, 31, 0, 0, 0, 0]
+    assert graphs.positions[:16].tolist() == [6, 7, 8, 9, 2, 3, 4, 5, 0, 0, 0, 1, 0, 0, 0, 0]
+    # position 6 -> block index 1 (id 3), offset 2; 8 -> block 9, offset 0; 4 -> block 8; 1 -> block 6
+    assert graphs.slot_mapping[:16].tolist() == [
+        14, 15, 36, 37, -1, -1, 32, 33, -1, -1, -1, 25, -1, -1, -1, -1,
+    ]
+    assert graphs.seq_lens[:4].tolist() == [10, 6, 2, 1]
+    assert graphs.query_start_loc[:5].tolist() == [0, 4, 8, 12, 16]
+    common = graphs.common_metadata(4)
+    assert (common.num_actual_tokens, common.max_query_len, common.max_seq_len) == (16, 4, 32)
+
+
+def test_one_token_graphs_keep_their_staging_layout():
+    """q = 1 stages | ids [R] | seq_lens [R] | rows |, as before verification graphs."""
+    buffers = InputBuffers(max_num_tokens=16, max_num_reqs=4, max_blocks_per_req=8, device=torch.device("cpu"))
+    graphs = CudaGraphRunner(model=None, buffers=buffers, builder=None, sizes=[1, 2, 4], max_seq_len=32, block_size=4)
+    graphs.load([11, 22], np.array([10, 2]), np.array([[7, 3, 9], [5, 0, 0]], dtype=np.int32), size=4)
+    assert graphs.staging_np[:8].tolist() == [11, 22, PAD_TOKEN, PAD_TOKEN, 10, 2, 0, 0]
+    assert graphs.staging_np[8:14].tolist() == [7, 3, 9, 5, 0, 0]
+
+
+def _add_requests(runner, specs):
+    """specs: (token_ids, num_computed) per request -> states, starts."""
+    states, starts = [], []
+    next_block = 1
+    for i, (tokens, computed) in enumerate(specs):
+        blocks = list(range(next_block, next_block + -(-(len(tokens) + 4) // runner.block_size)))
+        next_block += len(blocks) + 3  # not contiguous across requests
+        states.append(runner._add_state(CachedRequestState(
+            req_id=f"r{i}", token_ids=list(tokens), num_prompt_tokens=len(tokens) - 2,
+            sampling_params=SamplingParams(), block_ids=blocks, need_prompt_logprobs=False,
+        )))
+        starts.append(computed)
+    return states, starts
+
+
+def test_verify_graph_real_rows_equal_the_eager_steps_inputs(llama_dir):
+    """The graph's rows of each request's real tokens hold exactly the ids, positions and
+    slots of the eager flattened step; its seq_lens are the eager ones."""
+    llm = LLM(str(llama_dir), device="cpu", dtype="float32", block_size=4, speculative_config=NGRAM)
+    runner = llm.engine.core.runner
+    spec = runner.spec
+    spec.graphs = CudaGraphRunner(
+        runner.model, runner.buffers, runner.metadata_builder, [1, 2, 4], runner.max_model_len,
+        runner.block_size, query_len=4,
+    )
+    states, starts = _add_requests(runner, [(list(range(10, 23)), 12), (list(range(40, 46)), 5), ([7, 8], 1)])
+    drafts = [(50, 51, 52), (60,), ()]
+    counts = [1 + len(d) for d in drafts]
+    step = spec._graph_step(runner, states, starts, counts, drafts)
+    assert step is not None and step.graph_size == 4 and step.num_tokens == 12
+    spec.graphs._derive_inputs(step.graph_size)
+    eager = runner._prepare_inputs(states, starts, counts, allow_graph=False, drafts=drafts)
+
+    rows = np.concatenate([np.arange(4 * i + 4 - c, 4 * i + 4) for i, c in enumerate(counts)])
+    assert step.input_ids[rows].tolist() == eager.input_ids.tolist()
+    assert step.positions[rows].tolist() == eager.positions.tolist()
+    assert step.common.slot_mapping[rows].tolist() == eager.common.slot_mapping.tolist()
+    assert step.common.seq_lens.tolist() == eager.common.seq_lens.tolist() == [16, 7, 2]
+    assert step.common.seq_lens_cpu.tolist() == [16, 7, 2]
+    padding = np.setdiff1d(np.arange(12), rows)
+    assert (step.common.slot_mapping[padding] == -1).all()
+    for state in states:
+        runner._remove_state(state.req_id)
+
+
+def test_a_step_with_a_prefill_chunk_is_not_a_graph_step(llama_dir):
+    llm = LLM(str(llama_dir), device="cpu", dtype="float32", block_size=4, speculative_config=NGRAM)
+    runner = llm.engine.core.runner
+    runner.spec.graphs = CudaGraphRunner(
+        runner.model, runner.buffers, runner.metadata_builder, [1, 2, 4], runner.max_model_len,
+        runner.block_size, query_len=4,
+    )
+    # r1 has computed 3 of its 6 tokens: a one-token chunk of its prompt, not a decode.
+    states, starts = _add_requests(runner, [(list(range(10, 23)), 12), (list(range(40, 46)), 3)])
+    assert runner.spec._graph_step(runner, states, starts, [3, 1], [(50, 51), ()]) is None
+    for state in states:
+        runner._remove_state(state.req_id)
+
+
+# ---- the whole engine, graphs replayed eagerly on the CPU -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def triton_on_cpu():
+    """On CPU: the triton backend under Triton's interpreter (graph-safe, unlike torch)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        yield
+        return
+    from pagelm.testing.triton_interpreter import interpret_triton
+
+    with pytest.MonkeyPatch.context() as mp:
+        interpret_triton(mp)
+        kernels = importlib.import_module("pagelm.backends.triton.paged_attention")
+        importlib.import_module("pagelm.backends.triton.kv_store")
+        assert kernels.INTERPRETED, "the kernels were imported before TRITON_INTERPRET was set"
+        yield
+
+
+@pytest.fixture
+def eager_graphs(monkeypatch):
+    """``capture`` keeps the metadata a capture would (built once per size, as the graph
+    replays it) and ``replay`` runs the captured step eagerly."""
+
+    def capture(self, pool=None):
+        self._captured = {size: self.builder.build_for_cudagraph(self.common_metadata(size)) for size in self.sizes}
+        return pool
+
+    def replay(self, size):
+        self.num_replays += 1
+        return self._step(size, self._captured[size])
+
+    monkeypatch.setattr(CudaGraphRunner, "capture", capture)
+    monkeypatch.setattr(CudaGraphRunner, "replay", replay)
+
+
+PROMPTS = [
+    {"prompt_token_ids": [40, 41, 42, 43, 44] * 6},  # n-gram drafts from the start
+    {"prompt_token_ids": list(range(100, 117))},  # none until the output repeats
+    {"prompt_token_ids": [11, 12, 13] * 4},
+    {"prompt_token_ids": list(range(200, 240))},  # chunked next to verification steps
+]
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 14, 23, 9)]
+
+
+def _plain_tokens(model_dir):
+    llm = LLM(str(model_dir), dtype="float32", block_size=8)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+def _graph_run(model_dir, speculative_config):
+    """Greedy tokens with verification graphs (replayed eagerly), the runner, and the tokens
+    staged for each verification replay ([n, q] per step)."""
+    llm = LLM(str(model_dir), dtype="float32", block_size=8, attention_backend="triton", max_num_seqs=8,
+              max_num_batched_tokens=32, speculative_config=speculative_config)
+    runner = llm.engine.core.runner
+    runner.capture_cuda_graphs()
+    graphs = runner.spec.graphs
+    staged = []
+    load = graphs.load
+
+    def recording_load(input_ids, seq_lens, block_rows, size, *rest):
+        staged.append(np.asarray(input_ids).reshape(len(block_rows), -1))
+        return load(input_ids, seq_lens, block_rows, size, *rest)
+
+    graphs.load = recording_load
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm, staged
+
+
+def test_ngram_greedy_tokens_are_unchanged_by_verification_graphs(make_model, triton_on_cpu, eager_graphs):
+    model = make_model("spec_llama", "llama")
+    tokens, llm, staged = _graph_run(model, NGRAM)
+    runner = llm.engine.core.runner
+    assert tokens == _plain_tokens(model)
+    assert runner.spec.graphs.query_len == 4 and runner.spec.graphs.sizes == [1, 2, 4, 8]
+    assert runner.spec.graphs.num_replays == len(staged) > 0
+    assert runner.cuda_graphs.num_replays > 0  # steps without any draft: one-token graphs
+    # Some replays padded a request that had fewer than k drafts.
+    assert any((rows[:, 0] == PAD_TOKEN).any() for rows in staged)
+    assert llm.engine.core.scheduler.spec_decoding_stats.num_accepted_tokens > 0
+
+
+def test_eagle_drafts_the_same_from_a_verification_graph_step(make_model, tmp_path, triton_on_cpu, eager_graphs):
+    """EAGLE reads the step's inputs, hidden states and layout: from a graph's padded rows
+    it drafts exactly what it drafts from the eager step."""
+    model = make_model("spec_llama", "llama")
+    train_eagle_head(model, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
+    config = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
+    tokens, llm, staged = _graph_run(model, config)
+    assert tokens == _plain_tokens(model)
+    assert llm.engine.core.runner.spec.graphs.num_replays > 0
+    graph_stats = llm.engine.core.scheduler.spec_decoding_stats
+    del llm
+    gc.collect()
+
+    eager = LLM(str(model), dtype="float32", block_size=8, attention_backend="triton", max_num_seqs=8,
+                max_num_batched_tokens=32, speculative_config=config)
+    eager.generate(PROMPTS, PARAMS, use_tqdm=False)
+    eager_stats = eager.engine.core.scheduler.spec_decoding_stats
+    assert (graph_stats.num_drafts, graph_stats.num_draft_tokens, graph_stats.num_accepted_tokens) == (
+        eager_stats.num_drafts, eager_stats.num_draft_tokens, eager_stats.num_accepted_tokens,
+    )
+
+
+# ---- real graphs ----------------------------------------------------------------------------
+
+# Real head sizes and GQA, as tests/test_gpu_fast_path.py.
+GPU_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024, head_dim=128)
+
+
+@pytest.mark.gpu
+def test_ngram_greedy_tokens_are_identical_with_and_without_cuda_graphs(make_model):
+    """float32 on CUDA: eager steps, then real graphs (one-token and verification)."""
+    model_dir = make_model("fast_qwen3", "qwen3", **GPU_SHAPE)
+    prompts = [{"prompt_token_ids": ([7 + i, 8 + i, 9 + i, 10 + i] * 30)[: 40 + 17 * i]} for i in range(5)]
+    gen = torch.Generator().manual_seed(0)
+    prompts += [{"prompt_token_ids": torch.randint(5, 500, (30 + 20 * i,), generator=gen).tolist()} for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=30 + 9 * i, ignore_eos=True) for i in range(10)]
+    outs, graph_replays = {}, {}
+    for eager in (True, None):
+        llm = LLM(str(model_dir), device="cuda", dtype="float32", attention_backend="triton", enforce_eager=eager,
+                  gpu_memory_utilization=0.3, max_num_seqs=16, speculative_config=NGRAM)
+        runner = llm.engine.core.runner
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        graph_replays[eager] = None if runner.spec.graphs is None else runner.spec.graphs.num_replays
+        del llm, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert graph_replays[True] is None
+    assert graph_replays[None] > 0
+    assert outs[True] == outs[None]
