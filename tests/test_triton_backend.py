@@ -63,7 +63,7 @@ def interpret_triton_language(mp):
 
 
 def run_both(seqs, num_heads, num_kv_heads, head_dim, block_size, *, dtype=torch.float32, window=None,
-             min_tokens_per_split=None, seed=0):
+             min_tokens_per_split=None, seed=0, graph_metadata=False):
     """seqs: list of (num_cached, num_new). Both backends write the cached tokens' K/V in a
     first step, then run the new tokens in a second; returns (triton, torch) outputs of the
     second step, plus the metadata the triton builder made for it."""
@@ -103,7 +103,10 @@ def run_both(seqs, num_heads, num_kv_heads, head_dim, block_size, *, dtype=torch
         q, k, v = (torch.cat([x[j][lo:hi] for x, (lo, hi) in zip(qkv, ranges)]).flatten(1) for j in range(3))
         outs, mds = {}, {}
         for name, (impl, bld, cache) in runs.items():
-            mds[name] = bld.build(common)
+            # graph_metadata: the triton builder plans as for a CUDA-graph replay of a uniform
+            # batch (every request the same query length), from the batch shape alone.
+            uniform = graph_metadata and name == "triton" and ranges[0][0] > 0
+            mds[name] = bld.build_for_cudagraph(common) if uniform else bld.build(common)
             outs[name] = impl.forward(q, k, v, cache, mds[name]).view(-1, num_heads, head_dim)
         return outs, mds
 
@@ -165,6 +168,13 @@ def test_split_k_decodes_mixed_with_chunked_prefill():
                min_tokens_per_split=16)
     assert md.num_splits > 1 and md.run_main
     assert md.decode_req_idx.tolist() == [1, 3]
+
+
+def test_verification_batch_splits_every_query_token():
+    """A speculative verification step as its CUDA graph plans it: 4 query tokens per request,
+    each split like a decode over the keys up to its own position (causal inside the run)."""
+    md = check([(70, 4), (33, 4)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, graph_metadata=True)
+    assert md.num_splits > 1 and md.split_query_len == 4 and not md.run_main
 
 
 def test_split_k_with_more_splits_than_key_tiles():

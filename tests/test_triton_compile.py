@@ -37,6 +37,7 @@ SCRIPT = textwrap.dedent(
     cache = torch.empty(1, 16, 1, 1)  # only its block size is read
     for dtype, group, head_dim, max_query_len, split in [
         (torch.bfloat16, 4, 128, 1, True),     # split-K decode, Llama-3-8B heads
+        (torch.bfloat16, 2, 128, 4, True),     # split-K verification of 3 drafts, Qwen3 heads
         (torch.bfloat16, 4, 128, 512, False),  # prefill
         (torch.bfloat16, 1, 64, 512, False),   # MHA prefill, head 64
         (torch.float16, 8, 128, 1, False),     # decode without splits
@@ -46,7 +47,7 @@ SCRIPT = textwrap.dedent(
         cfg = pa.tile_config(group, head_dim, max_query_len)
         block_q = 1 if split else cfg.block_m // group
         constexprs = pa._constexprs(group, head_dim, cache, cfg, block_q, dtype, None)
-        constexprs.update(SPLIT=split, SKIP_DECODES=not split, USE_PDL=True, launch_pdl=True)
+        constexprs.update(SPLIT=split, SPLIT_Q=max_query_len if split else 1, SKIP_DECODES=not split, USE_PDL=True, launch_pdl=True)
         io = dict.fromkeys(["out_ptr", "query_ptr", "key_cache_ptr", "value_cache_ptr"], TYPES[dtype])
         io.update(dict.fromkeys(["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"], "*i32"))
         io.update(decode_req_idx_ptr="*i32")
@@ -57,7 +58,7 @@ SCRIPT = textwrap.dedent(
         pa._reduce_splits_kernel,
         {"out_ptr": "*bf16", "partial_m_ptr": "*fp32", "partial_l_ptr": "*fp32", "partial_acc_ptr": "*fp32",
          "decode_req_idx_ptr": "*i32", "query_start_loc_ptr": "*i32"},
-        dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=32, USE_PDL=True, launch_pdl=True),
+        dict(HEAD_DIM=128, HEAD_PAD=128, SPLITS_PAD=32, SPLIT_Q=4, USE_PDL=True, launch_pdl=True),
     )
     compile_kernel(
         kv_store._store_kv_kernel,

@@ -56,6 +56,7 @@ class TritonAttentionMetadata:
     num_decodes: int  # requests in the split-K launch (0 when num_splits == 1)
     decode_req_idx: torch.Tensor | None  # [num_decodes] int32
     scratch: "ScratchPool"
+    split_query_len: int = 1  # query tokens of each split-K request (1 + k: verification graphs)
 
     @property
     def run_main(self) -> bool:
@@ -114,16 +115,17 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         return max(1, min(self.max_splits, by_length, by_occupancy))
 
     def build_for_cudagraph(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
-        """One-token decodes: the split count depends on the batch size alone (a short
-        sequence leaves some splits empty, which the reduce weighs 0). Verification steps
-        (``max_query_len > 1``): the main launch alone, whose grid follows the token count,
-        and which walks each request's keys up to its ``seq_len`` read on the device."""
-        if common.max_query_len > 1:
+        """Every request has ``q = max_query_len`` tokens (1: decode; 1 + k: speculative
+        verification). The split count depends on the batch size alone (a short sequence
+        leaves some splits empty, which the reduce weighs 0); a verification step splits
+        each of its tokens like a decode, so that a batch of one still fills the GPU. When
+        the batch alone fills it (no splits), the main launch runs instead."""
+        num_decodes, q = common.num_reqs, common.max_query_len
+        num_splits = max(1, min(self.max_splits, self.target_programs // (num_decodes * q)))
+        if num_splits == 1:
             return self._metadata(common, 1, 0, None)
-        num_decodes = common.num_reqs
-        num_splits = max(1, min(self.max_splits, self.target_programs // num_decodes))
-        decode_req_idx = self._graph_decode_req_idx[:num_decodes] if num_splits > 1 else None
-        return self._metadata(common, num_splits, num_decodes if num_splits > 1 else 0, decode_req_idx)
+        decode_req_idx = self._graph_decode_req_idx[:num_decodes]
+        return self._metadata(common, num_splits, num_decodes, decode_req_idx, split_query_len=q)
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         query_lens = np.diff(common.query_start_loc_cpu.numpy())
@@ -140,7 +142,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             num_decodes = 0
         return self._metadata(common, num_splits, num_decodes, decode_req_idx)
 
-    def _metadata(self, common, num_splits, num_decodes, decode_req_idx) -> TritonAttentionMetadata:
+    def _metadata(self, common, num_splits, num_decodes, decode_req_idx, split_query_len=1) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(
             num_reqs=common.num_reqs,
             num_actual_tokens=common.num_actual_tokens,
@@ -153,6 +155,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             num_decodes=num_decodes,
             decode_req_idx=decode_req_idx,
             scratch=self.scratch,
+            split_query_len=split_query_len,
         )
 
 
@@ -189,7 +192,7 @@ class TritonAttentionImpl(AttentionImpl):
         if md.num_splits > 1:
             self._attn.split_decode_attention(
                 out, query, *tables, md.decode_req_idx, md.scratch.get(spec.num_heads, spec.head_dim),
-                num_decodes=md.num_decodes, num_splits=md.num_splits, **shape,
+                num_decodes=md.num_decodes, num_splits=md.num_splits, query_len=md.split_query_len, **shape,
             )
         return out
 

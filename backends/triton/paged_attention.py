@@ -105,6 +105,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    SPLIT_Q: tl.constexpr,  # SPLIT: query tokens per request (1 + drafts when verifying)
     SKIP_DECODES: tl.constexpr,  # decodes go through the split launch this step
     USE_WINDOW: tl.constexpr,
     EXACT_FP32: tl.constexpr,
@@ -116,9 +117,9 @@ def _paged_attention_kernel(
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if SPLIT:
-        req = tl.load(decode_req_idx_ptr + pid)
-        q_block_start = 0
+    if SPLIT:  # one query token per program: pid = request * SPLIT_Q + token
+        req = tl.load(decode_req_idx_ptr + pid // SPLIT_Q)
+        q_block_start = pid % SPLIT_Q
     else:
         req = _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q)
         q_block_start = (pid - (tl.load(query_start_loc_ptr + req) // BLOCK_Q + req)) * BLOCK_Q
@@ -214,13 +215,15 @@ def _reduce_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    SPLIT_Q: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
-    decode = tl.program_id(0)
+    decode = tl.program_id(0)  # request * SPLIT_Q + token, as in the split launch
     head = tl.program_id(1)
-    tok = tl.load(query_start_loc_ptr + tl.load(decode_req_idx_ptr + decode)).to(tl.int64)
+    req = tl.load(decode_req_idx_ptr + decode // SPLIT_Q)
+    tok = (tl.load(query_start_loc_ptr + req) + decode % SPLIT_Q).to(tl.int64)
     splits = tl.arange(0, SPLITS_PAD)
     split_valid = splits < num_splits
     row = (decode * num_splits + splits).to(tl.int64) * num_heads + head
@@ -233,10 +236,12 @@ def _reduce_splits_kernel(
         mask=split_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )
-    # Split 0 always covers the first key tile, so the max is finite; empty splits
-    # (m = -inf) get weight 0.
-    weight = tl.exp2(m - tl.max(m, 0))
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    # Empty splits (m = -inf) get weight 0. Every split is empty only for a padding token of
+    # a CUDA-graph batch (no key at or before its position): it gets zeros, not NaN.
+    m_max = tl.max(m, 0)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    denom = tl.sum(l * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     out_row = tok * stride_out_tok + head * HEAD_DIM
     tl.store(out_ptr + out_row + dims, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
@@ -319,6 +324,7 @@ def paged_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         **_constexprs(group, head_dim, key_cache, cfg, block_q, query.dtype, sliding_window),
         SPLIT=False,
+        SPLIT_Q=1,
         SKIP_DECODES=skip_decodes,
     )
 
@@ -341,12 +347,16 @@ def split_decode_attention(
     head_dim: int,
     scale: float,
     sliding_window: int | None,
+    query_len: int = 1,
 ) -> None:
-    """Flash-decoding: ``num_splits`` programs per (decode, KV head), then a reduce."""
-    assert num_decodes * num_splits <= scratch.m.shape[0]
+    """Flash-decoding: ``num_splits`` programs per (query token, KV head), then a reduce.
+    ``query_len`` tokens per request (> 1: speculative verification, every request with
+    exactly that many; token ``j`` sees the keys up to its own position)."""
+    rows = num_decodes * query_len
+    assert rows * num_splits <= scratch.m.shape[0]
     group = num_heads // num_kv_heads
     cfg = tile_config(group, head_dim, max_query_len=1)
-    _paged_attention_kernel[(num_decodes, num_kv_heads, num_splits)](
+    _paged_attention_kernel[(rows, num_kv_heads, num_splits)](
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         decode_req_idx, scratch.m, scratch.l, scratch.acc,
         num_decodes, num_heads, num_splits, scale * math.log2(math.e), sliding_window or 0,
@@ -354,15 +364,17 @@ def split_decode_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         **_constexprs(group, head_dim, key_cache, cfg, 1, query.dtype, sliding_window),
         SPLIT=True,
+        SPLIT_Q=query_len,
         SKIP_DECODES=False,
     )
     use_pdl = not INTERPRETED and pdl_supported(out.device)
-    _reduce_splits_kernel[(num_decodes, num_heads)](
+    _reduce_splits_kernel[(rows, num_heads)](
         out, scratch.m, scratch.l, scratch.acc, decode_req_idx, query_start_loc,
         num_heads, num_splits, out.stride(0),
         HEAD_DIM=head_dim,
         HEAD_PAD=triton.next_power_of_2(head_dim),
         SPLITS_PAD=triton.next_power_of_2(max(num_splits, 2)),
+        SPLIT_Q=query_len,
         USE_PDL=use_pdl,
         launch_pdl=use_pdl,
     )
