@@ -106,10 +106,10 @@ class Request:
         # Prompt logprobs skip the prefix cache (their logits must be computed).
         self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
         self.prompt_logprobs_done = sampling_params.prompt_logprobs is None
-        # Its next sample reads its previous tokens on the host: a grammar accepts each token
-        # before the next bitmask, penalties count the tokens so far. With async scheduling a
-        # step that has it runs synchronously.
-        self.reads_output_history = sampling_params.guided_decoding is not None or (
+        # Its next sample reads its previous tokens on the host: penalties count the tokens so
+        # far (with async scheduling a step that has it runs synchronously), a grammar accepts
+        # each token before the next bitmask (such a step samples after the previous finished).
+        self.reads_output_history = (
             sampling_params.presence_penalty != 0.0
             or sampling_params.frequency_penalty != 0.0
             or sampling_params.repetition_penalty != 1.0

@@ -156,9 +156,9 @@ def test_penalties_run_synchronously_next_to_plain_requests(llama_dir, prompts):
     launches = []  # (request ids of the step, whether a step was in flight at its launch)
     launch = core.runner.launch
 
-    def spy(sched):
+    def spy(sched, **kwargs):
         launches.append((set(sched.num_scheduled_tokens), core._in_flight is not None))
-        return launch(sched)
+        return launch(sched, **kwargs)
 
     core.runner.launch = spy
     outs = llm.generate(prompts[:6], params, use_tqdm=False)
@@ -170,18 +170,36 @@ def test_penalties_run_synchronously_next_to_plain_requests(llama_dir, prompts):
     assert any(without_it), "the plain requests' steps should run ahead once the penalised one is done"
 
 
-def test_guided_requests_run_synchronously_and_follow_their_grammar(llama_dir):
+def test_guided_requests_run_ahead_sampling_after_the_previous_step_and_follow_their_grammar(llama_dir):
+    """A step with guided requests queues its forward pass while the previous step is in
+    flight, and samples once that step's tokens advanced the grammars: the same tokens as the
+    synchronous engine. The regex completes early, so a finished request is still in the
+    step launched after its last token (its bitmask row allows anything; its sample is
+    discarded)."""
     pattern = r"[0-9]{3}-[a-z]{2}"
     guided = SamplingParams(temperature=1.0, seed=5, max_tokens=32, guided_decoding=GuidedDecodingParams(regex=pattern))
     plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5 + i, 9, 11]} for i in range(4)]
-    outs = {}
+    outs, guided_launches = {}, []
     for async_scheduling in (False, True):
         llm = LLM(str(llama_dir), dtype="float32", async_scheduling=async_scheduling,
                   plugin_config={"xgrammar": {"any_whitespace": False}})
+        core = llm.engine.core
+        launch = core.runner.launch
+
+        def spy(sched, **kwargs):
+            if sched.structured_output_request_ids:
+                guided_launches.append((async_scheduling, core._in_flight is not None, kwargs.get("defer_sampling", False)))
+            return launch(sched, **kwargs)
+
+        core.runner.launch = spy
         outs[async_scheduling] = llm.generate(prompts, [guided, plain, guided, plain], use_tqdm=False)
+        assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks
     assert [o.outputs[0].token_ids for o in outs[True]] == [o.outputs[0].token_ids for o in outs[False]]
     assert all(re.fullmatch(pattern, outs[True][i].outputs[0].text) for i in (0, 2))
+    async_launches = [(ahead, deferred) for a, ahead, deferred in guided_launches if a]
+    assert any(ahead and deferred for ahead, deferred in async_launches)
+    assert not any(deferred for a, _, deferred in guided_launches if not a)
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
@@ -244,11 +262,11 @@ def test_step_launches_the_next_step_before_finishing_the_previous(llama_dir, as
     def number(sched):
         return next((n for n, s in enumerate(steps) if s is sched), None)
 
-    def spy_launch(sched):
+    def spy_launch(sched, **kwargs):
         if not sched.is_empty:
             steps.append(sched)
             events.append(("launch", number(sched)))
-        return launch(sched)
+        return launch(sched, **kwargs)
 
     def spy_update(sched, runner_out):
         if number(sched) is not None:

@@ -212,9 +212,16 @@ class EngineCore:
         # Launched also when nothing is scheduled: the runner drops finished requests' state.
         run_ahead = self.async_scheduling and not sched_out.is_empty and not sched_out.needs_previous_tokens
         if run_ahead:
-            previous, self._in_flight = self._in_flight, self.runner.launch(sched_out)
+            # Guided requests' bitmasks need the previous step's tokens: this step's forward
+            # pass is queued now, its sampling once the previous step is finished (while the
+            # forward pass runs, the grammars take those tokens and fill the bitmask).
+            guided = bool(sched_out.structured_output_request_ids)
+            previous, self._in_flight = self._in_flight, self.runner.launch(sched_out, defer_sampling=guided)
             # The device runs the step just launched while the host finishes the previous one.
-            return self._finish(previous) if previous is not None else []
+            outputs = self._finish(previous) if previous is not None else []
+            if guided:
+                self.runner.sample(self._in_flight)
+            return outputs
         outputs = []
         if self._in_flight is not None:  # its tokens are this step's inputs on the host
             outputs = self._finish(self._in_flight)

@@ -44,9 +44,9 @@ class SchedulerOutput:
     # Requests under a grammar (guided decoding) that sample a token this step: the runner
     # asks its structured-output provider for their allowed-token bitmask rows.
     structured_output_request_ids: list[str] = field(default_factory=list)
-    # Some request's sampling reads its previous tokens on the host (a grammar's bitmask,
-    # penalties): with async scheduling this step waits for the one in flight and runs
-    # synchronously.
+    # Some request's sampling reads its previous tokens on the host (penalties): with async
+    # scheduling this step waits for the one in flight and runs synchronously. (Grammars need
+    # them too, but only for the bitmask: that step's forward pass still runs ahead.)
     needs_previous_tokens: bool = False
     # Speculative decoding: {req_id: draft token ids} verified this step. They are the last
     # tokens of the request's ``num_scheduled_tokens``, after its known tokens.

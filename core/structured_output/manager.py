@@ -267,6 +267,12 @@ class StructuredOutputManager:
                     dst.append(i)
             if src:
                 bitmask[dst] = self._staged[src]
+        # With async scheduling a request may have finished (and released its grammar) since
+        # this step was scheduled: its sample will be discarded, any token will do.
+        gone = [i for i in missing if request_ids[i] not in self.requests]
+        if gone:
+            bitmask[gone] = -1
+            missing = [i for i in missing if request_ids[i] in self.requests]
         if missing:
             grammars = [self.requests[request_ids[i]].grammar for i in missing]
             self._get_backend().fill_bitmasks(grammars, bitmask, rows=missing)

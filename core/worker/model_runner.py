@@ -234,10 +234,12 @@ class ModelRunner:
         return self.finish(self.launch(sched))
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> PendingStep:
+    def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> PendingStep:
         """Queue one step on the device: its inputs, the forward pass, sampling, and the copy of
         the sampled ids to host memory; return without waiting for it. Each request that
-        samples gets a placeholder at the end of its token list until ``finish``."""
+        samples gets a placeholder at the end of its token list until ``finish``.
+        ``defer_sampling``: stop after the forward pass; ``sample`` queues the rest (guided
+        requests under async scheduling, whose bitmask waits for the previous step)."""
         self._update_states(sched)
         req_ids = list(sched.num_scheduled_tokens)
         if not req_ids:
@@ -264,17 +266,29 @@ class ModelRunner:
         # Before this step's placeholders: seeds and min_tokens count the outputs before it.
         md = build_sampling_metadata(states, self.eos_token_ids, self.vocab_size, self.device)
         logits, hidden = self._logits(step, return_hidden=True)
-        if sched.structured_output_request_ids and self.structured_output is not None:
-            self._apply_grammar(logits, sched.structured_output_request_ids, req_ids)
-        sampled = self.sampler(logits, md, self.generator)
-        prompt_logprobs = self._prompt_logprobs_tensors(states, starts, counts, hidden, step.common)
-
         pending = PendingStep(sched, req_ids, states, self._add_placeholders(states, starts, counts))
-        pending.copy_to_host(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs)
-        if self.spec is not None:
-            pending.inputs, pending.hidden, pending.starts, pending.counts = step, hidden, starts, counts
+        pending.inputs, pending.hidden, pending.starts, pending.counts = step, hidden, starts, counts
+        pending.logits, pending.sampling_metadata = logits, md
         self._in_flight = pending
+        if not defer_sampling:
+            self.sample(pending)
         return pending
+
+    @torch.inference_mode()
+    def sample(self, pending: PendingStep) -> None:
+        """Queue a launched step's sampling (its grammar bitmask first) and the copy of the
+        sampled ids to the host."""
+        sched, step = pending.sched, pending.inputs
+        logits, pending.logits = pending.logits, None
+        if sched.structured_output_request_ids and self.structured_output is not None:
+            self._apply_grammar(logits, sched.structured_output_request_ids, pending.req_ids)
+        sampled = self.sampler(logits, pending.sampling_metadata, self.generator)
+        prompt_logprobs = self._prompt_logprobs_tensors(
+            pending.states, pending.starts, pending.counts, pending.hidden, step.common
+        )
+        pending.copy_to_host(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs)
+        if self.spec is None:  # only the proposer reads them
+            pending.inputs = pending.hidden = None
 
     @torch.inference_mode()
     def finish(self, pending: PendingStep) -> ModelRunnerOutput:

@@ -47,14 +47,19 @@ class PendingStep:
     logprobs_host: LogprobsTensors | None = None
     prompt_logprobs_host: dict[str, LogprobsTensors] = field(default_factory=dict)
     copied: torch.cuda.Event | None = None
-    # For the speculative proposer, which runs once the samples are known (engines with
-    # speculative decoding never leave a step in flight).
+    # The step's inputs, kept until it is sampled, and for the speculative proposer, which
+    # runs once the samples are known (engines with speculative decoding never leave a step
+    # in flight).
     inputs: "StepInputs | None" = None
     hidden: torch.Tensor | None = None
     starts: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     # Set when the step completed inside ``launch`` (nothing scheduled; speculative steps).
     output: ModelRunnerOutput | None = None
+    # Between ``launch(defer_sampling=True)`` and ``sample``: the forward pass's logits and
+    # the sampling parameters of the step.
+    logits: torch.Tensor | None = None
+    sampling_metadata: Any = None
 
     @classmethod
     def done(cls, sched: SchedulerOutput, output: ModelRunnerOutput) -> "PendingStep":
