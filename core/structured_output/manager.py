@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -56,6 +57,11 @@ _COMPILE_WORKERS = 2
 # Fewer guided requests than this advance in grammar_bitmask, after the forward pass is queued:
 # a few microseconds each, less than handing them to the worker (wake-ups, GIL hand-offs).
 _THREADED_MIN_REQUESTS = 8
+# The worker's job needs the GIL to start, and the main thread runs Python (outputs, the next
+# schedule) meanwhile: at CPython's default switch interval (5 ms, longer than a decode step)
+# the job would start only when the main thread blocks. Once started, its xgrammar calls run
+# without the GIL, beside the main thread.
+_SWITCH_INTERVAL_S = 2e-4
 
 
 class GrammarCache:
@@ -235,6 +241,7 @@ class StructuredOutputManager:
         if len(self._unapplied) >= _THREADED_MIN_REQUESTS:
             if self._bitmask_worker is None:
                 self._bitmask_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagelm-bitmask")
+                sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL_S))
             self._job = self._bitmask_worker.submit(self._advance_and_fill, *self._stage())
 
     # ---- the runner's side ---------------------------------------------------------------
