@@ -36,3 +36,25 @@ def test_no_match_below_the_minimum_length_proposes_nothing():
 def test_rows_of_a_batch_are_independent_and_padding_never_matches():
     rows = [[7, 1, 2, 7], [3, 0, 0, 0, 0, 0, 0, 3], [0]]
     assert drafts(rows, k=2) == [[1, 2], [0, 0], []]
+
+
+def test_requests_with_no_draft_budget_are_not_looked_up(monkeypatch):
+    """A request backed off by adaptive drafting (or with no room) costs the lookup nothing."""
+    import pagelm.plugins.spec_decode.ngram as ngram
+    from pagelm.config import EngineConfig
+    from pagelm.spec_decode import ProposalBatch
+
+    config = EngineConfig(model="(test)", speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                              "prompt_lookup_min": 1})
+    proposer = ngram.NgramProposer(config, None, None, None)
+    looked_up = []
+    lookup = ngram.ngram_drafts
+    monkeypatch.setattr(ngram, "ngram_drafts", lambda tokens, *a: looked_up.append(tokens.tolist()) or lookup(tokens, *a))
+    tokens = np.array([[7, 1, 2, 7], [5, 6, 5, 0], [4, 3, 4, 0]], dtype=np.int32)
+    batch = ProposalBatch(
+        req_ids=["a", "b", "c"], max_num_drafts=np.array([2, 0, 2]), token_ids=tokens, num_tokens=np.array([4, 3, 3]),
+        **dict.fromkeys(["input_ids", "positions", "hidden_states", "common", "last_token_index", "last_token_position",
+                         "next_token_ids", "block_table_cpu", "rows", "block_size", "build_attention_metadata"]),
+    )
+    assert proposer.propose(batch) == [[1, 2], [], [3, 4]]
+    assert looked_up == [[[7, 1, 2, 7], [4, 3, 4, 0]]]

@@ -6,6 +6,10 @@ a YAML key) with vLLM's names::
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "eagle", "num_speculative_tokens": 3, "model": "/path/to/eagle-head"}
 
+and, for any method, adaptive drafting (``pagelm.spec_decode.backoff``): ``"adaptive"``
+(default true), ``"backoff_after"`` misses in a row before a request stops drafting (default
+2), ``"max_backoff_steps"`` the longest pause between its probes (default 32).
+
 Shapes and types are checked here, with the rest of the engine config; whether ``method`` is
 registered, and what that proposer needs (``model`` for EAGLE), is checked at engine
 start-up, before any weight is read.
@@ -16,7 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-_KNOWN = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+_KNOWN = (
+    "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+    "adaptive", "backoff_after", "max_backoff_steps",
+)
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     # Draft model directory (EAGLE head).
     model: str | None = None
+    # Adaptive drafting: a request whose drafts are rejected ``backoff_after`` verifications in
+    # a row stops drafting, probing again after 2, 4, ... up to ``max_backoff_steps`` steps.
+    adaptive: bool = True
+    backoff_after: int = 2
+    max_backoff_steps: int = 32
     # Other keys, for third-party proposers (they check them in ``Proposer.validate``).
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -51,14 +63,27 @@ class SpeculativeConfig:
         model = raw.get("model")
         if model is not None and not isinstance(model, str):
             raise ValueError(f"speculative_config.model must be a path, got {model!r}")
+        adaptive = {key: raw[key] for key in ("adaptive", "backoff_after", "max_backoff_steps") if key in raw}
+        if not isinstance(adaptive.get("adaptive", True), bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive['adaptive']!r}")
+        for name in ("backoff_after", "max_backoff_steps"):
+            value = adaptive.get(name, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
         return cls(
             method=method,
             num_speculative_tokens=k,
             prompt_lookup_max=raw.get("prompt_lookup_max"),
             prompt_lookup_min=raw.get("prompt_lookup_min"),
             model=model,
+            **adaptive,
             options={key: value for key, value in raw.items() if key not in _KNOWN},
         )
 
     def describe(self) -> str:
-        return f"{self.method}(k={self.num_speculative_tokens})"
+        if not self.adaptive:
+            return f"{self.method}(k={self.num_speculative_tokens}, adaptive off)"
+        return (
+            f"{self.method}(k={self.num_speculative_tokens}, backoff after {self.backoff_after} misses, "
+            f"up to {self.max_backoff_steps} steps)"
+        )

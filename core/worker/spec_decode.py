@@ -21,11 +21,16 @@ Steps mixing prefill chunks with drafts run eagerly, as do batches above the lar
 captured size and backends without ``cuda_graph_uniform_batch`` (FlashInfer). A step with no
 drafts at all is plain decode (the one-token graphs). The proposer runs after verification,
 eagerly (the EAGLE head's passes are not captured).
+
+Adaptive drafting (``pagelm.spec_decode.backoff``) withholds drafts from requests whose
+drafts keep being rejected: the proposer is asked for none for them (``max_num_drafts`` 0),
+and a step in which nobody drafts is plain decode again.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +40,7 @@ from pagelm.attention import CommonAttentionMetadata
 from pagelm.kv_cache import cdiv
 from pagelm.sample import RejectionSampler
 from pagelm.sample.sampler import LogprobsTensors
+from pagelm.spec_decode.backoff import DraftBackoff
 from pagelm.spec_decode.proposer import ProposalBatch, Proposer, decode_attention_metadata
 from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner, capture_sizes
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
@@ -88,7 +94,12 @@ class SpecDecodeRunner:
         # new tokens of a step are copied in before proposing, never the whole history.
         self.token_table = np.zeros((max_num_reqs, max_model_len), dtype=np.int32) if proposer.uses_token_ids else None
         self._table_len = np.zeros(max_num_reqs, dtype=np.int64)
-        self._table_owner: list[str | None] = [None] * max_num_reqs
+        # The request state on each block-table row: a different object (a new request, or one
+        # resumed after preemption) resets the row's token table and backoff. Weak, so that a
+        # finished request's token lists are not kept alive by a row nobody reuses.
+        self._row_owner: list[weakref.ref | None] = [None] * max_num_reqs
+        spec = proposer.speculative
+        self.backoff = DraftBackoff(max_num_reqs, spec.backoff_after, spec.max_backoff_steps) if spec.adaptive else None
         self.graphs: CudaGraphRunner | None = None  # verification graphs (CUDA only)
 
     # ---- verification graphs -------------------------------------------------------------
@@ -174,6 +185,10 @@ class SpecDecodeRunner:
             prompt_logprobs = runner._prompt_logprobs(states, starts, counts, hidden, step.common)
             logprobs = _split_logprobs(verified.logprobs, states, row_start, verified.token_ids)
 
+        if self.backoff is not None:
+            num_verified = np.fromiter((len(t) for t in verified.token_ids), dtype=np.int64, count=len(states))
+            self.backoff.observe(self._claim_rows(states), num_drafts, np.maximum(num_verified - 1, 0))
+
         out_ids: list[list[int]] = []
         for state, start, count, tokens in zip(states, starts, counts, verified.token_ids):
             if start + count >= len(state.token_ids):  # reached the end: the sample is real
@@ -205,7 +220,9 @@ class SpecDecodeRunner:
         )
         num_tokens = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=n)
         max_drafts = np.where(sampled, self._room(states, num_tokens), 0)
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
+        rows = self._claim_rows(states)
+        if self.backoff is not None:
+            max_drafts = self.backoff.cap(rows, max_drafts)
 
         input_ids, positions, common = step.input_ids, step.positions, step.common
         if input_ids is None:  # a CUDA graph replay: its inputs live in the graph's staging
@@ -251,13 +268,24 @@ class SpecDecodeRunner:
                 room[i] = min(room[i], p.max_tokens - len(s.output_token_ids) - 1)
         return np.maximum(room, 0)
 
+    def _claim_rows(self, states) -> np.ndarray:
+        """The requests' block-table rows, with the per-row state of any row that changed
+        hands reset."""
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        for s, row in zip(states, rows.tolist()):
+            owner = self._row_owner[row]
+            if owner is None or owner() is not s:
+                self._row_owner[row] = weakref.ref(s)
+                self._table_len[row] = 0
+                if self.backoff is not None:
+                    self.backoff.reset(row)
+        return rows
+
     def _token_ids(self, states, rows: np.ndarray, num_tokens: np.ndarray) -> np.ndarray | None:
         """The batch's rows of the token table, after copying in what each request gained."""
         if self.token_table is None:
             return None
         for s, row in zip(states, rows.tolist()):
-            if self._table_owner[row] != s.req_id:  # a new (or resumed) request on this row
-                self._table_owner[row], self._table_len[row] = s.req_id, 0
             have = int(self._table_len[row])
             if have < len(s.token_ids):
                 self.token_table[row, have : len(s.token_ids)] = s.token_ids[have:]

@@ -11,8 +11,11 @@ verified position, ``s`` = the token the target just sampled after it)::
 
 Rejected positions are processed like any other in pass 1; the rows past ``p*`` are unused,
 and the KV they leave is overwritten when those positions are computed again, exactly like
-the target's. Drafts are the head's argmax (a one-hot proposal), which the rejection
-sampler verifies exactly, for greedy and sampled requests alike.
+the target's. Pass 1 covers every request, also those that draft nothing this step
+(``max_num_drafts`` 0: a prefill chunk, or backed off by adaptive drafting): the head's KV at
+their positions is what it attends to once they draft again. Drafts are the head's argmax (a
+one-hot proposal), which the rejection sampler verifies exactly, for greedy and sampled
+requests alike.
 """
 
 from __future__ import annotations

@@ -1,0 +1,64 @@
+"""Adaptive drafting: a request whose drafts keep being rejected stops drafting for a while,
+with exponential backoff, so that speculation costs little where it does not pay.
+
+A *miss* is a verification step in which the request had drafts and accepted none. After
+``backoff_after`` misses in a row it gets no drafts for up to ``period`` steps, then drafts
+once (a *probe*); each further miss doubles ``period`` (2, 4, 8, ... up to
+``max_backoff_steps``), and any accepted draft puts it back to drafting every step::
+
+    step       1     2     3  4  5     6  7  8  9     10 .. 16  17
+    verifies   miss  miss  -  -  miss  -  -  -  miss  -  .. -   hit    (backoff_after = 2)
+    period           2           4              8                 drafts every step again
+
+Probes are drafted on steps that are multiples of ``period``, on one step count for all requests,
+so backed-off requests that arrived at different times probe on the same steps: a step that
+verifies anyone's drafts runs the whole batch through the ``1 + k``-token verification
+graph, and probes scattered over steps would make nearly every step such a step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# The first backoff period, in steps; it doubles with each miss after that.
+FIRST_BACKOFF_STEPS = 2
+
+
+class DraftBackoff:
+    """Per block-table row: the misses in a row of the request on it, and the step from which
+    it drafts again. ``reset(row)`` when a new request (or a resumed one) takes the row."""
+
+    def __init__(self, max_num_reqs: int, backoff_after: int, max_backoff_steps: int) -> None:
+        assert backoff_after >= 1 and max_backoff_steps >= 1
+        self.backoff_after = backoff_after
+        self.max_backoff_steps = max_backoff_steps
+        self.misses = np.zeros(max_num_reqs, dtype=np.int64)
+        self.resume_step = np.zeros(max_num_reqs, dtype=np.int64)
+        self.step = 0  # the step being run; ``cap`` ends it
+        self.num_skipped = 0  # request-steps that could have drafted but were backed off
+
+    def reset(self, row: int) -> None:
+        self.misses[row] = 0
+        self.resume_step[row] = 0
+
+    def observe(self, rows: np.ndarray, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
+        """This step's verification: request ``rows[i]`` had ``num_drafts[i]`` drafts and
+        accepted ``num_accepted[i]`` of them (rows without drafts are left as they are)."""
+        drafted = num_drafts > 0
+        hit = rows[drafted & (num_accepted > 0)]
+        self.misses[hit] = 0
+        self.resume_step[hit] = 0
+        missed = rows[drafted & (num_accepted == 0)]
+        self.misses[missed] += 1
+        over = self.misses[missed] - self.backoff_after
+        backed = missed[over >= 0]
+        period = np.minimum(FIRST_BACKOFF_STEPS << np.minimum(over[over >= 0], 30), self.max_backoff_steps)
+        self.resume_step[backed] = (self.step // period + 1) * period
+
+    def cap(self, rows: np.ndarray, max_drafts: np.ndarray) -> np.ndarray:
+        """``max_drafts`` (per request of the step, for the next one) with backed-off requests'
+        set to 0. The step's last call: it ends the step."""
+        backed = (self.resume_step[rows] > self.step) & (max_drafts > 0)
+        self.num_skipped += int(backed.sum())
+        self.step += 1
+        return np.where(backed, 0, max_drafts)

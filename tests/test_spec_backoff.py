@@ -1,0 +1,222 @@
+"""Adaptive drafting: a request whose drafts keep being rejected stops drafting, with
+exponential backoff and aligned probes; accepted drafts keep it drafting; outputs never
+change; the knobs are checked at start-up."""
+
+import numpy as np
+import pytest
+
+from pagelm import LLM, SamplingParams, hookimpl
+from pagelm.bench.latency import reject_all_drafts
+from pagelm.plugin_manager import get_plugin_manager
+from pagelm.spec_decode import Proposer, SpeculativeConfig
+from pagelm.spec_decode.backoff import DraftBackoff
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+REPETITIVE = [{"prompt_token_ids": [40 + i, 41, 42, 43, 44] * 8} for i in range(4)]
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+
+# ---- the backoff schedule -------------------------------------------------------------------
+
+
+def run_schedule(backoff: DraftBackoff, accepted: list[int | None], row: int = 0) -> list[int]:
+    """Drive one row through steps: ``accepted[t]`` is what step t's verification accepted
+    (None: nothing drafted to verify); returns the max drafts granted after each step."""
+    rows = np.array([row])
+    granted = []
+    for a in accepted:
+        if a is not None:
+            backoff.observe(rows, np.array([3]), np.array([a]))
+        granted.append(int(backoff.cap(rows, np.array([3]))[0]))
+    return granted
+
+
+def test_two_misses_in_a_row_back_off_with_doubling_pauses_between_aligned_probes():
+    backoff = DraftBackoff(4, backoff_after=2, max_backoff_steps=32)
+    granted = []
+    for _ in range(80):  # always verify what was granted, always rejected
+        accepted = 0 if granted and granted[-1] else None
+        granted += run_schedule(backoff, [accepted])
+    drafted = [t for t, g in enumerate(granted) if g]
+    # Drafts at 0 and 1 (misses at 1, 2), then probes on multiples of 2, 4, 8, 16, 32.
+    assert drafted == [0, 1, 4, 8, 16, 32, 64]
+    assert backoff.num_skipped == 80 - len(drafted)
+
+
+def test_the_pause_stops_doubling_at_max_backoff_steps():
+    backoff = DraftBackoff(1, backoff_after=1, max_backoff_steps=4)
+    granted = []
+    for _ in range(40):
+        granted += run_schedule(backoff, [0 if granted and granted[-1] else None])
+    drafted = [t for t, g in enumerate(granted) if g]
+    assert drafted == [0, 2, 4, 8, 12, 16, 20, 24, 28, 32, 36]
+
+
+def test_an_accepted_draft_resets_the_request_to_drafting_every_step():
+    backoff = DraftBackoff(1, backoff_after=2, max_backoff_steps=32)
+    assert run_schedule(backoff, [None, 0, 0, None, None, 1, None, 0]) == [3, 3, 0, 0, 3, 3, 3, 3]
+
+
+def test_requests_on_other_rows_are_not_affected_and_reset_clears_a_row():
+    backoff = DraftBackoff(2, backoff_after=1, max_backoff_steps=32)
+    backoff.observe(np.array([0, 1]), np.array([3, 3]), np.array([0, 2]))
+    assert backoff.cap(np.array([0, 1]), np.array([3, 3])).tolist() == [0, 3]
+    backoff.reset(0)
+    assert backoff.cap(np.array([0, 1]), np.array([3, 3])).tolist() == [3, 3]
+
+
+def test_rows_that_may_not_draft_anyway_are_not_counted_as_skipped():
+    backoff = DraftBackoff(2, backoff_after=1, max_backoff_steps=32)
+    backoff.observe(np.array([0, 1]), np.array([3, 3]), np.array([0, 0]))
+    assert backoff.cap(np.array([0, 1]), np.array([0, 3])).tolist() == [0, 0]
+    assert backoff.num_skipped == 1
+
+
+# ---- through the engine ---------------------------------------------------------------------
+
+
+class NeverRight(Proposer):
+    """Drafts ``speculative_config["token"]``, k times: never accepted where the target never
+    produces that token."""
+
+    name = "never_right"
+
+    def propose(self, batch):
+        token = self.speculative.options["token"]
+        return [[token] * int(m) for m in batch.max_num_drafts]
+
+
+@pytest.fixture()
+def never_right():
+    class P:
+        @hookimpl
+        def pagelm_register_proposers(self, registry):
+            registry.add(NeverRight.name, NeverRight)
+
+    get_plugin_manager().register(P(), name="test-never-right")
+    yield
+    get_plugin_manager().unregister("test-never-right")
+
+
+def generate(model_dir, prompts, params=LONG, **kw):
+    llm = LLM(str(model_dir), dtype="float32", block_size=8, **kw)
+    spec = llm.engine.core.runner.spec
+    calls = {"verify": 0}
+    if spec is not None:
+        execute = spec.execute
+        spec.execute = lambda *a: calls.__setitem__("verify", calls["verify"] + 1) or execute(*a)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs], calls["verify"]
+
+
+@pytest.fixture(scope="module")
+def plain(llama_dir):
+    """The non-speculative outputs of REPETITIVE, and a token none of them contains."""
+    _, tokens, _ = generate(llama_dir, REPETITIVE)
+    unused = next(t for t in range(1, 1000) if all(t not in out for out in tokens))
+    return tokens, unused
+
+
+def test_rejected_drafts_back_off_to_a_small_fraction_of_steps(llama_dir, never_right, plain):
+    want, unused = plain
+    spec = {"method": "never_right", "num_speculative_tokens": 3, "token": unused}
+    llm, got, verify_steps = generate(llama_dir, REPETITIVE, speculative_config=spec)
+    assert got == want
+    stats = llm.engine.core.scheduler.spec_decoding_stats
+    assert stats.num_accepted_tokens == 0
+    # 200 steps at batch 4: drafts at 2 steps, then probes every 2, 4, ... 32 steps.
+    assert 0 < verify_steps < 0.1 * LONG.max_tokens
+    assert llm.engine.core.runner.spec.backoff.num_skipped > 0.8 * 4 * LONG.max_tokens
+
+
+def test_without_adaptive_every_step_verifies_rejected_drafts(llama_dir, never_right, plain):
+    want, unused = plain
+    spec = {"method": "never_right", "num_speculative_tokens": 3, "token": unused, "adaptive": False}
+    llm, got, verify_steps = generate(llama_dir, REPETITIVE, speculative_config=spec)
+    assert got == want
+    assert llm.engine.core.runner.spec.backoff is None
+    # Every step after the prefill verifies drafts (the last step has no room for any).
+    assert verify_steps == LONG.max_tokens - 2
+    assert llm.engine.core.scheduler.spec_decoding_stats.num_drafts == 4 * (LONG.max_tokens - 2)
+
+
+def test_bench_reject_all_backs_off_ngram_drafts(llama_dir, plain):
+    want, _ = plain
+    llm = LLM(str(llama_dir), dtype="float32", block_size=8, speculative_config=NGRAM)
+    reject_all_drafts(llm, llm.engine.core.vocab_size)
+    outs = llm.generate(REPETITIVE, LONG, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    for out in outs:
+        assert out.metrics.spec_num_accepted_tokens == 0
+        assert 0 < out.metrics.spec_num_drafts < 0.2 * LONG.max_tokens
+
+
+def test_accepted_ngram_drafts_keep_every_step_drafting(make_model):
+    model = make_model("spec_llama", "llama")
+    prompts = [{"prompt_token_ids": [40, 41, 42, 43, 44] * 8}]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    _, want, fixed_steps = generate(model, prompts, params, speculative_config={**NGRAM, "adaptive": False})
+    llm, got, verify_steps = generate(model, prompts, params, speculative_config=NGRAM)
+    assert got == want
+    stats = llm.engine.core.scheduler.spec_decoding_stats
+    assert stats.mean_acceptance_length > 3.0, stats
+    assert verify_steps == fixed_steps
+    assert llm.engine.core.runner.spec.backoff.num_skipped == 0
+
+
+def test_a_new_request_on_a_backed_off_row_drafts_from_its_first_step(llama_dir, never_right, plain):
+    _, unused = plain
+    spec = {"method": "never_right", "num_speculative_tokens": 3, "token": unused}
+    llm = LLM(str(llama_dir), dtype="float32", block_size=8, speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    (first,) = llm.generate(REPETITIVE[:1], params, use_tqdm=False)
+    backoff = llm.engine.core.runner.spec.backoff
+    assert backoff.resume_step[0] > backoff.step  # still backed off when it finished
+    # The next request takes the same row (free rows are a stack) and starts afresh.
+    (second,) = llm.generate(REPETITIVE[1:2], params, use_tqdm=False)
+    assert second.metrics.spec_num_drafts == first.metrics.spec_num_drafts == 4
+
+
+def test_a_different_request_state_on_a_row_resets_it(llama_dir):
+    """A request resumed after preemption comes back as a new state object, possibly on the
+    row it had: its backoff (and token table) start over."""
+    from pagelm.worker.model_runner import CachedRequestState
+
+    llm = LLM(str(llama_dir), dtype="float32", block_size=8, speculative_config=NGRAM)
+    spec = llm.engine.core.runner.spec
+
+    def state():
+        return CachedRequestState("r", [1, 2, 3], 3, SamplingParams(), [0], False, row=0)
+
+    before = state()
+    spec._claim_rows([before])
+    spec.backoff.observe(np.array([0]), np.array([3]), np.array([0]))
+    spec.backoff.observe(np.array([0]), np.array([3]), np.array([0]))
+    spec._claim_rows([before])  # the same request: kept
+    assert spec.backoff.misses[0] == 2
+    resumed = state()
+    spec._claim_rows([resumed])
+    assert spec.backoff.misses[0] == 0 and spec.backoff.resume_step[0] == 0
+
+
+# ---- configuration --------------------------------------------------------------------------
+
+
+def test_adaptive_drafting_is_on_by_default():
+    config = SpeculativeConfig.from_dict(NGRAM)
+    assert (config.adaptive, config.backoff_after, config.max_backoff_steps) == (True, 2, 32)
+    assert "adaptive" not in config.options
+    config = SpeculativeConfig.from_dict({**NGRAM, "adaptive": False, "backoff_after": 3, "max_backoff_steps": 8})
+    assert (config.adaptive, config.backoff_after, config.max_backoff_steps) == (False, 3, 8)
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"adaptive": "yes"}, r"speculative_config.adaptive must be true or false, got 'yes'"),
+    ({"backoff_after": 0}, r"speculative_config.backoff_after must be an integer >= 1, got 0"),
+    ({"backoff_after": 1.5}, r"speculative_config.backoff_after must be an integer >= 1, got 1.5"),
+    ({"max_backoff_steps": -4}, r"speculative_config.max_backoff_steps must be an integer >= 1, got -4"),
+    ({"max_backoff_steps": True}, r"speculative_config.max_backoff_steps must be an integer >= 1, got True"),
+])
+def test_malformed_backoff_settings_are_rejected_before_loading(llama_dir, bad, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(llama_dir), speculative_config={**NGRAM, **bad})
