@@ -172,10 +172,19 @@ class CudaGraphRunner:
         return self.outputs[size]
 
     # ---- capture -------------------------------------------------------------------------
-    def _derive_inputs(self, size: int) -> None:
-        """In-graph: the step's inputs that follow from (tokens, seq_len, block table)."""
+    def _derive_inputs(self, size: int, use_triton: bool | None = None) -> None:
+        """In-graph: the step's inputs that follow from (tokens, seq_len, block table). One
+        Triton kernel on CUDA (``triton_graph_inputs``), the same math in torch ops elsewhere."""
         q, bs = self.query_len, self.block_size
         rq, num_tokens = self.max_size * q, size * q
+        if self.staging_dev.is_cuda if use_triton is None else use_triton:
+            from pagelm.worker.triton_graph_inputs import derive_step_inputs
+
+            derive_step_inputs(
+                self.staging_dev, self.block_table, self.input_ids, self.positions, self.seq_lens,
+                self.slot_mapping, size=size, query_len=q, seq_lens_offset=rq, block_size=bs,
+            )
+            return
         tokens = self.staging_dev[:num_tokens].view(size, q)
         raw_seq_lens = self.staging_dev[rq : rq + size]
         positions = (raw_seq_lens[:, None] + self._position_offsets).clamp_(min=0)

@@ -1,0 +1,51 @@
+"""The CUDA graphs' input-derivation kernel gives what the torch ops give (on the CPU under
+Triton's interpreter): input ids, positions, seq_lens and slots, for one-token decode and for
+verification with padding tokens and padding requests."""
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pagelm.testing.triton_interpreter import interpret_triton  # noqa: E402
+from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner  # noqa: E402
+from pagelm.worker.input_buffers import InputBuffers  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_interpreter():
+    if torch.cuda.is_available():
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        interpret_triton(mp)
+        importlib.reload(importlib.import_module("pagelm.worker.triton_graph_inputs"))
+        yield
+
+
+def derived(graphs: CudaGraphRunner, size: int, use_triton: bool) -> list[list]:
+    for t in (graphs.input_ids, graphs.positions, graphs.slot_mapping, graphs.seq_lens):
+        t.fill_(-7)  # whatever the derivation leaves unwritten would show
+    graphs._derive_inputs(size, use_triton=use_triton)
+    n = size * graphs.query_len
+    return [graphs.input_ids[:n].tolist(), graphs.positions[:n].tolist(), graphs.slot_mapping[:n].tolist(),
+            graphs.seq_lens[:size].tolist()]
+
+
+@pytest.mark.parametrize("query_len, tokens, seq_lens, size", [
+    (1, [5, 9, 2], [7, 1, 19], 4),  # decode, one padding request
+    (4, [11, 12, 13, 14, PAD_TOKEN, PAD_TOKEN, 21, 22, PAD_TOKEN, PAD_TOKEN, PAD_TOKEN, 31], [10, 6, 2], 4),
+])
+def test_kernel_matches_the_torch_derivation(query_len, tokens, seq_lens, size):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    buffers = InputBuffers(max_num_tokens=64, max_num_reqs=4, max_blocks_per_req=8, device=device)
+    graphs = CudaGraphRunner(
+        model=None, buffers=buffers, builder=None, sizes=[1, 2, 4], max_seq_len=32, block_size=4,
+        query_len=query_len,
+    )
+    block_rows = np.array([[7, 3, 9, 4, 2], [5, 8, 0, 0, 0], [6, 1, 0, 0, 0]], dtype=np.int32)
+    graphs.load(tokens, np.array(seq_lens), block_rows, size=size)
+    assert derived(graphs, size, use_triton=True) == derived(graphs, size, use_triton=False)
