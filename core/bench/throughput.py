@@ -152,9 +152,10 @@ def run(args: argparse.Namespace) -> int:
 
     llm = LLM(model_dir, **kwargs)
     if args.workload == "shared-prefix":
-        # A shared prefix of its own (not the timed one's, which must not start cached), so
-        # that cascade attention's kernels are built (FlashInfer JIT) before the clock starts.
-        warmup = TokenWorkload.shared_prefix(8, args.prefix_len, 16, 16, hf_config.vocab_size, args.workload_seed + 1)
+        # A shared prefix of its own (not the timed one's, which must not start cached), over
+        # enough requests that cascade attention engages, so that its kernels are built
+        # (FlashInfer JIT) before the clock starts.
+        warmup = TokenWorkload.shared_prefix(32, args.prefix_len, 16, 16, hf_config.vocab_size, args.workload_seed + 1)
     else:
         warmup = TokenWorkload.fixed(8, min(args.input_len, 128), 16, hf_config.vocab_size, args.workload_seed + 1)
     results.append(measure_pagelm(llm, workload, warmup, args.temperature))
