@@ -80,6 +80,10 @@ class _PagedAttention:
             self._paged_kv_indptr_buf.copy_(indptr)
             self._paged_kv_last_page_len_buf.copy_(last_page_len)
             self._paged_kv_indices_buf[: len(indices)].copy_(indices)
+            if torch.is_tensor(self._qo_indptr_buf):  # a prefill wrapper's fixed buffer, as FlashInfer's
+                self._qo_indptr_buf.copy_(qo_indptr)
+            else:
+                self._qo_indptr_buf = qo_indptr.to(self.device)
         else:
             self._paged_kv_indptr_buf = indptr.to(self.device)
             self._paged_kv_indices_buf = indices.to(self.device)

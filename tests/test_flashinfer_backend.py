@@ -405,6 +405,62 @@ def test_graph_replay_reads_the_plan_made_before_it(fake_fi):
     assert builder.num_graph_plans == 3  # capture + two replays
 
 
+def _shared_prefix_step(block_size, seq_lens, num_padded, num_common, shared_blocks=2):
+    """Decode rows whose first ``shared_blocks`` blocks are the same (5, 6, ...), then their
+    own; ``num_common`` is what the metadata declares as the common prefix."""
+    size, num_reqs, width = num_padded, len(seq_lens), 8
+    table = torch.zeros(size, width, dtype=torch.int32)
+    for i in range(num_reqs):
+        own = [20 + 8 * i + j for j in range(width - shared_blocks)]
+        table[i] = torch.tensor([5 + j for j in range(shared_blocks)] + own)
+    lens = torch.tensor(list(seq_lens) + [1] * (size - num_reqs), dtype=torch.int32)
+    pos = (lens - 1).long()
+    slots = table[torch.arange(size), pos // block_size].long() * block_size + pos % block_size
+    slots[num_reqs:] = -1
+    qsl = torch.arange(size + 1, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        num_reqs=size, num_actual_tokens=size, max_query_len=1, max_seq_len=int(lens.max()), query_start_loc=qsl,
+        seq_lens=lens, block_table=table, slot_mapping=slots, query_start_loc_cpu=qsl, seq_lens_cpu=lens,
+        block_size=block_size, block_table_cpu=table[:num_reqs], num_common_prefix_blocks=num_common,
+    )
+
+
+def test_cascade_graph_variant_replays_a_shared_prefix_batch(fake_fi):
+    """With cascade on, each size gets a "cascade" graph beside the plain one: a decode batch
+    over a common prefix replays it (shared level over the prefix + each request's own pages,
+    merged) and equals attention over the whole sequences; a batch without one replays the
+    plain graph."""
+    from types import SimpleNamespace
+
+    spec, bs = AttentionSpec(8, 2, 64, 0.125), 4
+    builder = FlashInferAttentionBackend.make_metadata_builder(torch.device("cpu"))
+    builder.workspace_bytes = 1 << 16
+    builder.bind_layers([spec], torch.float32)
+    assert builder.cudagraph_variants(SimpleNamespace(cascade_attention_min_blocks=2)) == ("", "cascade")
+    assert builder.cudagraph_variants(SimpleNamespace(cascade_attention_min_blocks=0)) == ("",)
+    slot_buffer = torch.full((4,), -1)
+    builder.build_for_cudagraph(_capture_common(4, bs, slot_buffer))
+    captured = builder.build_for_cudagraph(_capture_common(4, bs, slot_buffer), variant="cascade")
+    (group,) = builder.groups.values()
+    assert captured.plans[spec].shared is group.graph_shared[4] and group.graph_shared[4].is_cuda_graph_enabled
+
+    impl, ref_impl = FlashInferAttentionBackend.make_impl(spec), TorchAttentionBackend.make_impl(spec)
+    cache = torch.randn(FlashInferAttentionBackend.get_kv_cache_shape(64, bs, 2, 64))
+    ref_cache = cache.transpose(0, 1).contiguous()
+    for seq_lens in ([13, 10, 15], [9, 22, 12]):
+        common = _shared_prefix_step(bs, seq_lens, num_padded=4, num_common=2)
+        slot_buffer.copy_(common.slot_mapping)
+        assert builder.prepare_cudagraph_replay(common, num_reqs=3) == "cascade"
+        q, kv = torch.randn(4, 8 * 64), torch.randn(4, 2 * 64)
+        got = impl.forward(q, kv, kv, cache, captured)[:3]
+        ref_common = _shared_prefix_step(bs, seq_lens, num_padded=3, num_common=0)
+        want = ref_impl.forward(q[:3], kv[:3], kv[:3], ref_cache, TorchAttentionBackend.make_metadata_builder(None).build(ref_common))
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert builder.num_cascade_steps == 2
+    _, _, no_prefix = _decode_step(3, bs, num_padded=4)
+    assert builder.prepare_cudagraph_replay(no_prefix, num_reqs=3) is True
+
+
 def test_a_batch_declines_the_graph_for_cascade_when_the_prefix_is_worth_it(fake_fi):
     builder = FlashInferAttentionBackend.make_metadata_builder(torch.device("cpu"))
     builder.workspace_bytes = 1 << 16

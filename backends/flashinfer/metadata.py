@@ -14,9 +14,12 @@ mixes sliding-window and full layers), all sharing one float workspace allocated
   pick their kernels with ``backend="auto"`` (FA3 on Hopper: another JIT module and a 64 MiB
   index buffer per level), so pagelm composes the same two levels from its FA2 wrappers;
 * ``graph_decode[size]``: a decode wrapper per captured batch size, in CUDA-graph mode (fixed
-  index buffers), planned again before every replay by ``prepare_cudagraph_replay``. Graphs
-  hold no cascade: a decode batch with a shared prefix worth more than the graph
-  (``CASCADE_GRAPH_MIN_SAVED_BYTES``) declines it and runs eagerly with cascade.
+  index buffers), planned again before every replay by ``prepare_cudagraph_replay``;
+* ``graph_shared[size]``: with cascade attention on (``cascade_attention_min_blocks > 0``),
+  the shared level of a ``"cascade"`` graph variant per size: a prefill wrapper in CUDA-graph
+  mode whose one row is the batch's ``size`` query tokens over the common prefix. A decode
+  batch with a common prefix replays that variant (the decode wrapper then planned over each
+  request's own pages after the prefix); others replay the plain graph.
 
 Page indices are uploaded once per step (one pinned copy); ``indptr`` and ``last_page_len``
 stay on the host, where ``plan`` wants them (it copies them to the device itself).
@@ -85,6 +88,7 @@ class ShapeGroup:
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, KV_LAYOUT, backend="fa2")
         self.shared = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, KV_LAYOUT, backend="fa2")
         self.graph_decode: dict[int, Any] = {}
+        self.graph_shared: dict[int, Any] = {}
         self._graph_int_workspace: torch.Tensor | None = None
         self._plan_read: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> its last plan was read
 
@@ -150,6 +154,20 @@ class ShapeGroup:
             self.graph_decode[size] = wrapper
         return self.graph_decode[size]
 
+    def graph_shared_wrapper(self, size: int, max_blocks_per_req: int, device: torch.device):
+        """The cascade graphs' shared level for ``size`` query tokens, made on first use: one
+        non-causal row (every query token of the batch) over up to a full block-table row."""
+        if size not in self.graph_shared:
+            int32 = dict(dtype=torch.int32, device=device)
+            self.graph_shared[size] = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, KV_LAYOUT, use_cuda_graph=True, backend="fa2",
+                qo_indptr_buf=torch.zeros(2, **int32),
+                paged_kv_indptr_buf=torch.zeros(2, **int32),
+                paged_kv_indices_buf=torch.zeros(max_blocks_per_req, **int32),
+                paged_kv_last_page_len_buf=torch.zeros(1, **int32),
+            )
+        return self.graph_shared[size]
+
 
 class FlashInferMetadataBuilder(AttentionMetadataBuilder):
     """Plans the step's wrappers once (``build``), or the graph wrapper of a captured size
@@ -214,37 +232,74 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         return FlashInferMetadata(common.num_actual_tokens, layout.num_decode_tokens, common.slot_mapping, plans)
 
     # ---- CUDA graphs ---------------------------------------------------------------------
-    def build_for_cudagraph(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
-        """Every row a decode through the graph wrapper of this size; the plan made here (on
-        the capture's dummy rows) is redone with real rows before every replay."""
+    def cudagraph_variants(self, config) -> tuple[str, ...]:
+        """With cascade attention on, a ``"cascade"`` graph per size beside the plain one."""
+        cascade = getattr(config, "cascade_attention_min_blocks", 0) > 0 and self.cascade_allowed
+        return ("", "cascade") if cascade else ("",)
+
+    def build_for_cudagraph(self, common: CommonAttentionMetadata, variant: str = "") -> FlashInferMetadata:
+        """Every row a decode through the graph wrapper of this size (and, for the
+        ``"cascade"`` variant, the shared level over a common prefix); the plan made here (on
+        the capture's dummy rows, a one-block prefix) is redone with real rows before every
+        replay."""
         assert self.groups, "bind_layers() must be called before graph capture"
-        size = common.num_reqs
+        size, width = common.num_reqs, common.block_table.shape[1]
+        cascade = variant == "cascade"
         for g in self.groups.values():
-            g.graph_wrapper(size, common.block_table.shape[1], self.device)
-        self._plan_graph(common, size)
-        plans = {spec: LayerPlan(g.graph_decode[size], None, None) for spec, g in self.groups.items()}
+            g.graph_wrapper(size, width, self.device)
+            if cascade:
+                g.graph_shared_wrapper(size, width, self.device)
+        # At capture every row is padding; a cascade capture plans a one-block prefix (block 0).
+        self._plan_graph(common, 0 if cascade else size, num_common_prefix_blocks=1 if cascade else 0)
+        plans = {
+            spec: LayerPlan(g.graph_decode[size], None, g.graph_shared[size] if cascade else None)
+            for spec, g in self.groups.items()
+        }
         return FlashInferMetadata(size, size, common.slot_mapping, plans)
 
-    def prepare_cudagraph_replay(self, common: CommonAttentionMetadata, num_reqs: int) -> bool:
-        """Plan the graph wrapper of ``common.num_reqs`` (the captured size) for this step's
-        ``num_reqs`` real decodes. A batch whose shared prefix is worth it runs eagerly instead,
-        where cascade attention reads the prefix once rather than once per request."""
-        if self.cascade_allowed and common.num_common_prefix_blocks:
-            prefix_tokens = common.num_common_prefix_blocks * common.block_size
+    def prepare_cudagraph_replay(self, common: CommonAttentionMetadata, num_reqs: int) -> bool | str:
+        """Plan the graphs of ``common.num_reqs`` (the captured size) for this step's
+        ``num_reqs`` real decodes: the cascade variant when the batch shares a prefix (and that
+        variant was captured), the plain one otherwise. Without cascade graphs, a batch whose
+        shared prefix is worth it runs eagerly, where cascade reads the prefix once."""
+        size = common.num_reqs
+        num_common = common.num_common_prefix_blocks if self.cascade_allowed else 0
+        if num_common and all(size in g.graph_shared for g in self.groups.values()):
+            self._plan_graph(common, num_reqs, num_common_prefix_blocks=num_common)
+            self.num_cascade_steps += 1
+            return "cascade"
+        if num_common:
+            prefix_tokens = num_common * common.block_size
             saved = (num_reqs - 1) * prefix_tokens * self.kv_bytes_per_token
             if saved >= self.cascade_graph_min_saved_bytes:
                 return False
         self._plan_graph(common, num_reqs)
         return True
 
-    def _plan_graph(self, common: CommonAttentionMetadata, num_reqs: int) -> None:
-        size, bs = common.num_reqs, common.block_size
-        table = padded_decode_table(
-            self._host_block_table(common, num_reqs), common.seq_lens_cpu.numpy()[:size], bs, size
-        )
-        (indices,) = self._upload_indices([table])
+    def _plan_graph(self, common: CommonAttentionMetadata, num_reqs: int, num_common_prefix_blocks: int = 0) -> None:
+        """Plan the graph wrappers of ``common.num_reqs``: each row's pages after the first
+        ``num_common_prefix_blocks`` (padding rows: one key in block 0), and with a common
+        prefix the shared level, every query row over those blocks."""
+        size, bs, skip = common.num_reqs, common.block_size, num_common_prefix_blocks
+        block_table = self._host_block_table(common, num_reqs)
+        seq_lens = common.seq_lens_cpu.numpy()[:size].astype(np.int64)
+        if skip:
+            seq_lens = seq_lens.copy()
+            seq_lens[:num_reqs] -= skip * bs
+        table = padded_decode_table(block_table[:, skip:], seq_lens, bs, size)
+        shared = None
+        if skip:
+            shared = PageTable(
+                indptr=np.array([0, skip], dtype=np.int32),
+                indices=(block_table[0, :skip] if num_reqs else np.zeros(skip)).astype(np.int32),
+                last_page_len=np.array([bs], dtype=np.int32),
+            )
+        indices, shared_indices = self._upload_indices([table, shared])
+        everyone = np.array([0, size], dtype=np.int32)
         for g in self.groups.values():
             g.plan_decode(g.graph_decode[size], table, indices, bs)
+            if skip:
+                g.plan_prefill(g.graph_shared[size], everyone, shared, shared_indices, bs, causal=False)
         self.num_graph_plans += 1
 
     # ---- host data -----------------------------------------------------------------------

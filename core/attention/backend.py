@@ -95,14 +95,23 @@ class AttentionMetadataBuilder(ABC):
         for the real ones."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
-    def prepare_cudagraph_replay(self, common: CommonAttentionMetadata, num_reqs: int) -> bool:
+    def cudagraph_variants(self, config) -> tuple[str, ...]:
+        """The kinds of one-token decode graph to capture per batch size: ``""`` is the plain
+        one, built by ``build_for_cudagraph(common)``. A backend with a batch shape worth a
+        graph of its own (FlashInfer's cascade attention over a shared prefix) names it here;
+        it is then built by ``build_for_cudagraph(common, variant=name)`` and chosen per step
+        by ``prepare_cudagraph_replay`` returning its name. Default: the plain one."""
+        return ("",)
+
+    def prepare_cudagraph_replay(self, common: CommonAttentionMetadata, num_reqs: int) -> bool | str:
         """Called before every replay of a captured graph, outside it. ``common`` describes
         the padded batch about to replay (``common.num_reqs`` = the captured size; rows from
         ``num_reqs`` on are padding, ``seq_len`` 1) with this step's host copies
         (``seq_lens_cpu``, and ``block_table_cpu`` for the ``num_reqs`` real rows). A backend
         whose kernels read per-step host work from buffers of its own (FlashInfer's ``plan``)
         refreshes them here. Return False to run the step eagerly through ``build`` instead
-        (e.g. a batch that wants a kernel the graph did not capture). Default: replay."""
+        (e.g. a batch that wants a kernel the graph did not capture), or the name of a
+        ``cudagraph_variants`` graph to replay that one. Default: replay the plain graph."""
         return True
 
 

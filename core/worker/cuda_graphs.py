@@ -74,8 +74,12 @@ class CudaGraphRunner:
         max_seq_len: int,
         block_size: int,
         query_len: int = 1,
+        variants: tuple[str, ...] = ("",),
     ) -> None:
         self.model = model
+        # Graphs per size: the plain one (""), and any the backend asked for (cudagraph_variants).
+        self.variants = variants
+        self._variant = ""
         self.builder = builder
         self.sizes = sorted(sizes)
         self.max_seq_len = max_seq_len
@@ -99,8 +103,8 @@ class CudaGraphRunner:
         self._builder_prepares = getattr(
             type(builder), "prepare_cudagraph_replay", AttentionMetadataBuilder.prepare_cudagraph_replay
         ) is not AttentionMetadataBuilder.prepare_cudagraph_replay
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.num_replays = 0
 
     @property
@@ -149,6 +153,7 @@ class CudaGraphRunner:
         host[rq + r : end] = block_rows.reshape(-1)
         self.staging_dev[:end].copy_(self.staging[:end], non_blocking=True)
         self.block_table[:n, :cols].copy_(self.staging_dev[rq + r : end].view(n, cols), non_blocking=True)
+        self._variant = ""
         if not self._builder_prepares:
             return True
         seq_lens_cpu = torch.ones(size, dtype=torch.int32)
@@ -156,7 +161,13 @@ class CudaGraphRunner:
         common = self.common_metadata(size, seq_lens_cpu)
         common.block_table_cpu = torch.from_numpy(block_rows)
         common.num_common_prefix_blocks = num_common_prefix_blocks
-        return self.builder.prepare_cudagraph_replay(common, n)
+        choice = self.builder.prepare_cudagraph_replay(common, n)
+        if choice is False:
+            return False
+        if isinstance(choice, str):
+            assert choice in self.variants, f"the backend chose graph variant {choice!r}, captured: {self.variants}"
+            self._variant = choice
+        return True
 
     def feed_input_ids(self, index: torch.Tensor, token_ids: torch.Tensor) -> None:
         """After ``load``, before ``replay``: overwrite the staged input ids at ``index`` (flat:
@@ -167,9 +178,10 @@ class CudaGraphRunner:
     def replay(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the graph for ``size`` (inputs already loaded): ``(hidden, logits)``, one row
         per query token (``size * q`` rows)."""
-        self.graphs[size].replay()
+        key = (size, self._variant)
+        self.graphs[key].replay()
         self.num_replays += 1
-        return self.outputs[size]
+        return self.outputs[key]
 
     # ---- capture -------------------------------------------------------------------------
     def _derive_inputs(self, size: int, use_triton: bool | None = None) -> None:
@@ -212,13 +224,19 @@ class CudaGraphRunner:
         self.staging_dev.zero_()  # every row a padding row: nothing is stored while capturing
         # Largest first: smaller graphs reuse the memory pool the largest one reserved.
         for size in reversed(self.sizes):
-            md = self.builder.build_for_cudagraph(self.common_metadata(size))
-            self._step(size, md)  # warm-up: autotuning and lazy allocations happen outside capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._step(size, md)
-            self.graphs[size] = graph
+            for variant in self.variants:
+                common = self.common_metadata(size)
+                md = (
+                    self.builder.build_for_cudagraph(common)
+                    if variant == ""
+                    else self.builder.build_for_cudagraph(common, variant=variant)
+                )
+                self._step(size, md)  # warm-up: autotuning and lazy allocations happen outside capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[(size, variant)] = self._step(size, md)
+                self.graphs[(size, variant)] = graph
         torch.cuda.synchronize()
         logger.info(
             "captured CUDA graphs for batch sizes %s x %d query token(s) in %.1f s",

@@ -188,7 +188,8 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         sizes = capture_sizes(self.max_num_reqs, self.config.max_num_batched_tokens)
         self.cuda_graphs = CudaGraphRunner(
-            self.model, self.buffers, self.metadata_builder, sizes, self.max_model_len, self.block_size
+            self.model, self.buffers, self.metadata_builder, sizes, self.max_model_len, self.block_size,
+            variants=self.metadata_builder.cudagraph_variants(self.config),
         )
         pool = self.cuda_graphs.capture()
         if self.spec is not None:  # graphs of steps verifying drafts, in the same memory pool
