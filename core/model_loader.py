@@ -44,7 +44,8 @@ def model_class_for(hf_config: PretrainedConfig) -> type[nn.Module]:
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
+    """Parameters created inside are ``dtype`` (the model is built directly in it)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -75,7 +76,7 @@ def load_model(
     config: EngineConfig, path: Path, hf_config: PretrainedConfig, device: torch.device, dtype: torch.dtype
 ) -> nn.Module:
     cls = model_class_for(hf_config)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         model = cls(hf_config)
     if config.load_format == "dummy":
         _init_dummy(model, seed=config.seed)

@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 from pagelm import LLM, SamplingParams  # noqa: E402
 from pagelm.attention import AttentionSpec  # noqa: E402
 from pagelm.testing.conformance import paged_metadata  # noqa: E402
+from pagelm.testing.triton_interpreter import interpret_triton  # noqa: E402
 from pagelm.backends.torch import TorchAttentionBackend  # noqa: E402
 from pagelm.backends.triton import TritonAttentionBackend  # noqa: E402
 from pagelm.backends.triton.backend import TritonMetadataBuilder  # noqa: E402
@@ -36,30 +37,11 @@ def triton_interpreter():
         yield
         return
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        interpret_triton_language(mp)
+        interpret_triton(mp)
         kernels = importlib.import_module("pagelm.backends.triton.paged_attention")
         importlib.import_module("pagelm.backends.triton.kv_store")
         assert kernels.INTERPRETED, "the kernels were imported before TRITON_INTERPRET was set"
         yield
-
-
-def interpret_triton_language(mp):
-    """torch imports Triton (through torch._dynamo) long before this module runs, so
-    triton.language's own jit helpers (tl.max, tl.sum, tl.zeros, tl.cdiv...) were built for the
-    compiler and refuse to run inside an interpreted kernel. Rebuild them for the interpreter, as
-    if TRITON_INTERPRET=1 had been set before Triton was first imported."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    rebuilt = {}
-    for module in (tl.standard, tl):
-        for name, value in list(vars(module).items()):
-            if isinstance(value, JITFunction):
-                if id(value) not in rebuilt:
-                    rebuilt[id(value)] = InterpretedFunction(value.fn)
-                mp.setattr(module, name, rebuilt[id(value)])
 
 
 def run_both(seqs, num_heads, num_kv_heads, head_dim, block_size, *, dtype=torch.float32, window=None,

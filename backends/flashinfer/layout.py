@@ -60,6 +60,15 @@ def padded_decode_table(
     return PageTable(indptr.astype(np.int32), indices, last_page_len)
 
 
+def shared_prefix_table(prefix_blocks: np.ndarray, block_size: int) -> PageTable:
+    """Cascade's shared level: the common prefix's (full) blocks as one row."""
+    return PageTable(
+        indptr=np.array([0, len(prefix_blocks)], dtype=np.int32),
+        indices=np.asarray(prefix_blocks, dtype=np.int32),
+        last_page_len=np.array([block_size], dtype=np.int32),
+    )
+
+
 @dataclass
 class StepLayout:
     num_decodes: int  # requests [0, num_decodes) have one query token: the decode wrapper
@@ -95,11 +104,5 @@ def step_layout(
         qsl = np.asarray(query_start_loc[num_decodes : num_reqs + 1], dtype=np.int64)
         prefill_qo_indptr = (qsl - qsl[0]).astype(np.int32)
         prefill = page_table(block_table[num_decodes:num_reqs], kv_lens[num_decodes:], block_size, skip)
-    shared = None
-    if skip:
-        shared = PageTable(
-            indptr=np.array([0, skip], dtype=np.int32),
-            indices=block_table[0, :skip].astype(np.int32),
-            last_page_len=np.array([block_size], dtype=np.int32),
-        )
+    shared = shared_prefix_table(block_table[0, :skip], block_size) if skip else None
     return StepLayout(num_decodes, num_decodes, decode, prefill_qo_indptr, prefill, shared)

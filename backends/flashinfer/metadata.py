@@ -35,7 +35,12 @@ import numpy as np
 import torch
 
 from pagelm.attention import AttentionMetadataBuilder, AttentionSpec, CommonAttentionMetadata
-from pagelm.backends.flashinfer.layout import PageTable, StepLayout, padded_decode_table, step_layout
+from pagelm.backends.flashinfer.layout import (
+    PageTable,
+    padded_decode_table,
+    shared_prefix_table,
+    step_layout,
+)
 
 KV_LAYOUT = "NHD"  # the cache is [num_blocks, 2, block_size, num_kv_heads, head_dim]
 WORKSPACE_BYTES = 256 << 20  # split-KV partials; FlashInfer recommends >= 128 MiB
@@ -288,12 +293,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             seq_lens[:num_reqs] -= skip * bs
         table = padded_decode_table(block_table[:, skip:], seq_lens, bs, size)
         shared = None
-        if skip:
-            shared = PageTable(
-                indptr=np.array([0, skip], dtype=np.int32),
-                indices=(block_table[0, :skip] if num_reqs else np.zeros(skip)).astype(np.int32),
-                last_page_len=np.array([bs], dtype=np.int32),
-            )
+        if skip:  # at capture (no real rows) the prefix is block 0
+            shared = shared_prefix_table(block_table[0, :skip] if num_reqs else np.zeros(skip), bs)
         indices, shared_indices = self._upload_indices([table, shared])
         everyone = np.array([0, size], dtype=np.int32)
         for g in self.groups.values():

@@ -20,7 +20,6 @@ requests alike.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,7 @@ from torch import nn
 
 from pagelm import hookimpl
 from pagelm.attention import ForwardContext, attention_layers, forward_context
-from pagelm.model_loader import iterate_weights
+from pagelm.model_loader import default_dtype, iterate_weights
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.spec_decode import ProposalBatch, Proposer
 
@@ -112,7 +111,7 @@ def load_eagle_head(path: Path, target: nn.Module, device: torch.device, dtype: 
     config.eagle_own_embedding = "embed_tokens.weight" in names
     arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
     head_cls = get_plugin_manager().models().get(arch if arch.startswith("Eagle") else f"Eagle{arch}")
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         head = head_cls(config)
     loaded = head.load_weights(weights.items())
     if not config.eagle_own_embedding:
@@ -131,16 +130,6 @@ def _iterate_weights(path: Path):
         yield from iterate_weights(path)
         return
     yield from torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True).items()
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 @hookimpl
