@@ -1,5 +1,7 @@
 """Shared fixtures: tiny random Hugging Face model directories built locally (no hub)."""
 
+import gc
+
 import pytest
 import torch
 
@@ -27,6 +29,20 @@ def make_model(model_root):
         return built[name]
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def free_gpu(request):
+    """GPU tests: every LLM sizes its KV pool from what is free, so drop the previous tests'
+    engines before and after each one."""
+    if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_available():
+        yield
+        return
+    gc.collect()
+    torch.cuda.empty_cache()
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -25,6 +25,7 @@ from pagelm import LLM, SamplingParams
 from pagelm.attention import AttentionSpec, CommonAttentionMetadata
 from pagelm.backends.flashinfer import FlashInferAttentionBackend
 from pagelm.backends.torch import TorchAttentionBackend
+from pagelm.testing.cuda import forbid_host_sync
 
 # The harness shared with the CPU tests (tests/ is on sys.path under pytest's default import mode).
 from test_flashinfer_backend import run_against_torch
@@ -36,15 +37,6 @@ LLAMA_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)  # gr
 QWEN3_06B = dict(num_heads=16, num_kv_heads=8, head_dim=128, block_size=16)  # group 2: CUDA-core decode
 BF16 = dict(dtype=torch.bfloat16, device="cuda")
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)
-
-
-@pytest.fixture(autouse=True)
-def _free_gpu():
-    gc.collect()
-    torch.cuda.empty_cache()
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def check(seqs, shape=LLAMA_8B, **kw):
@@ -195,11 +187,8 @@ def test_forward_makes_no_host_sync():
         kv = torch.randn(n, 8 * 128, dtype=torch.bfloat16, device="cuda")
         impl.forward(q, kv, kv, cache, md)
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with forbid_host_sync():
             impl.forward(q, kv, kv, cache, md)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
 
 
 # =============================================================================================

@@ -1,29 +1,19 @@
 """The GPU fast path on CUDA: the four architectures in bf16 against transformers (teacher
 forced), triton vs the torch reference backend, CUDA graphs on vs off, and the profiled KV pool."""
 
-import gc
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from pagelm import LLM, SamplingParams
+from pagelm.testing.cuda import forbid_host_sync
 
 pytestmark = pytest.mark.gpu
 
 # Real head sizes (64, and 128 for qwen3), GQA, 4 layers: the kernels' real code paths.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024)
-
-
-@pytest.fixture(autouse=True)
-def _free_gpu():
-    """Every LLM sizes its KV pool from what is free: drop the previous tests' engines."""
-    gc.collect()
-    torch.cuda.empty_cache()
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def _model(make_model, arch):
@@ -151,9 +141,6 @@ def test_steps_make_no_host_sync_but_the_sampled_ids(make_model, eager, backend)
         SamplingParams(temperature=0.7, frequency_penalty=0.3, min_tokens=5, max_tokens=20, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
     ]
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with forbid_host_sync():
         outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     assert [len(o.outputs[0].token_ids) for o in outs] == [20] * 6

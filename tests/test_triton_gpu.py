@@ -9,6 +9,7 @@ import torch
 from pagelm import LLM, SamplingParams
 from pagelm.attention import AttentionSpec, CommonAttentionMetadata
 from pagelm.backends.triton import TritonAttentionBackend
+from pagelm.testing.cuda import forbid_host_sync
 
 # The harness shared with the CPU tests (tests/ is on sys.path under pytest's default import mode).
 from test_triton_backend import engine_tokens, run_both
@@ -66,7 +67,6 @@ def test_head_dim_64_and_sliding_window():
 
 def test_forward_makes_no_host_sync():
     """CUDA graphs will capture forward: it must launch kernels only (the builder may sync)."""
-    seqs = [(3000, 1), (10, 40)]
     num_blocks = 256
     spec = AttentionSpec(32, 8, 128, 1 / math.sqrt(128))
     impl = TritonAttentionBackend.make_impl(spec)
@@ -89,11 +89,8 @@ def test_forward_makes_no_host_sync():
     kv = torch.randn(41, 8 * 128, dtype=torch.bfloat16, device="cuda")
     impl.forward(q, kv, kv, cache, md)  # compile first: compilation may sync
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with forbid_host_sync():
         impl.forward(q, kv, kv, cache, md)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_engine_greedy_tokens_match_torch_backend(make_model):
