@@ -101,10 +101,9 @@ class EngineCore:
         # req_id -> when it was first scheduled, until its first output carries it out.
         self._first_scheduled: dict[str, float] = {}
         self.async_scheduling = self._use_async_scheduling(use_cuda_graphs)
-        # Async scheduling: the step launched and not finished yet, and that step again while
-        # its sampling waits for the grammars (guided decoding).
+        # Async scheduling: the step launched and not finished yet (possibly not yet sampled:
+        # a guided step's sampling waits for its grammars, ``PendingStep.awaits_sampling``).
         self._in_flight: PendingStep | None = None
-        self._unsampled: PendingStep | None = None
         logger.info(
             "pagelm engine: %s on %s/%s, %d KV blocks of %d tokens, backend=%s, policy=%s, cuda_graphs=%s, "
             "async_scheduling=%s, speculative=%s",
@@ -213,9 +212,8 @@ class EngineCore:
                 self._first_scheduled.setdefault(new.req_id, now)
         # The step in flight, if its sampling waited for its grammars: they have had the time
         # since the last step() returned (outputs, this schedule()); its samples feed this step.
-        if self._unsampled is not None:
-            self.runner.sample(self._unsampled)
-            self._unsampled = None
+        if self._in_flight is not None and self._in_flight.awaits_sampling:
+            self.runner.sample(self._in_flight)
         # Launched also when nothing is scheduled: the runner drops finished requests' state.
         run_ahead = self.async_scheduling and not sched_out.is_empty and not sched_out.needs_previous_tokens
         if run_ahead:
@@ -225,10 +223,7 @@ class EngineCore:
             guided = bool(sched_out.structured_output_request_ids)
             previous, self._in_flight = self._in_flight, self.runner.launch(sched_out, defer_sampling=guided)
             # The device runs the step just launched while the host finishes the previous one.
-            outputs = self._finish(previous) if previous is not None else []
-            if guided:
-                self._unsampled = self._in_flight
-            return outputs
+            return self._finish(previous) if previous is not None else []
         outputs = []
         if self._in_flight is not None:  # its tokens are this step's inputs on the host
             outputs = self._finish(self._in_flight)
@@ -239,9 +234,8 @@ class EngineCore:
         """Wait for a launched step's tokens and account for them: stop checks, outputs, freed
         requests. Also for an empty step: the scheduler reports requests that failed before
         running (a grammar that did not compile)."""
-        if pending is self._unsampled:
+        if pending.awaits_sampling:
             self.runner.sample(pending)
-            self._unsampled = None
         runner_out = self.runner.finish(pending)
         outputs, finished = self.scheduler.update_from_output(pending.sched, runner_out)
         # Guided decoding: advance the grammars by this step's tokens and fill the next step's

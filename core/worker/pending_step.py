@@ -61,6 +61,11 @@ class PendingStep:
     logits: torch.Tensor | None = None
     sampling_metadata: Any = None
 
+    @property
+    def awaits_sampling(self) -> bool:
+        """Launched with ``defer_sampling`` and not sampled yet (``ModelRunner.sample``)."""
+        return self.logits is not None
+
     @classmethod
     def done(cls, sched: SchedulerOutput, output: ModelRunnerOutput) -> "PendingStep":
         return cls(sched, output.req_ids, [], output=output)
