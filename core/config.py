@@ -55,8 +55,9 @@ class EngineConfig:
     enforce_eager: bool | None = None
     # Schedule and launch each step while the previous one runs on the device, so that the
     # host work between steps (outputs, the next schedule, its inputs) overlaps the GPU.
-    # None: on where CUDA graphs are used, unless speculative decoding is on; True: on, also
-    # on CPU; False: off. Not supported with speculative decoding.
+    # None: on where CUDA graphs are used; True: on, also on CPU; False: off. With speculative
+    # decoding only steps in which nobody may draft run ahead, and not at all with a proposer
+    # that must see every step (EAGLE: True is then an error).
     async_scheduling: bool | None = None
     # No tokenizer at all (vLLM's name): prompts must be token ids and outputs carry token ids
     # with empty text. For model directories without tokenizer files (benchmark presets).
@@ -124,11 +125,6 @@ class EngineConfig:
             )
         if self.load_format not in ("auto", "safetensors", "dummy"):
             out.append(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
-        if self.async_scheduling and self.speculative_config is not None:
-            out.append(
-                "async_scheduling=True is not supported with speculative decoding (speculative_config is set); "
-                "leave async_scheduling unset or False"
-            )
         if self.speculative_config is not None:
             try:
                 self.speculative

@@ -18,9 +18,12 @@ from pagelm.engine.async_llm import AsyncLLM
 from pagelm.engine.output_processor import OutputKind
 from pagelm.kv_cache import KVCacheManager, make_block_hasher
 from pagelm.plugin_manager import get_plugin_manager
+from pagelm.bench.latency import reject_all_drafts
 from pagelm.plugins.policies.fcfs import FCFSPolicy
+from pagelm.plugins.spec_decode.ngram import NgramProposer
 from pagelm.request import Request, RequestStatus
 from pagelm.sched.scheduler import Scheduler
+from pagelm.spec_decode import Proposer
 from pagelm.worker.output import ModelRunnerOutput
 
 
@@ -202,21 +205,112 @@ def test_guided_requests_run_ahead_sampling_after_the_previous_step_and_follow_t
     assert not any(deferred for a, _, deferred in guided_launches if not a)
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-def test_async_with_speculative_decoding_is_a_config_error():
-    with pytest.raises(ValueError, match="async_scheduling=True.*speculative"):
-        EngineConfig(model="unused", async_scheduling=True, speculative_config=NGRAM)
-    assert EngineConfig(model="unused", speculative_config=NGRAM)
+class EveryStep(Proposer):
+    """A proposer that must see every step (as a draft model does): never drafts."""
+
+    name = "every_step"
+
+    def propose(self, batch):
+        return [[] for _ in range(batch.num_reqs)]
 
 
-def test_async_scheduling_by_default_follows_cuda_graphs_without_speculative_decoding(llama_dir):
+@pytest.fixture()
+def every_step():
+    class P:
+        @hookimpl
+        def pagelm_register_proposers(self, registry):
+            registry.add(EveryStep.name, EveryStep)
+
+    get_plugin_manager().register(P(), name="test-every-step")
+    yield
+    get_plugin_manager().unregister(name="test-every-step")
+
+
+def test_async_scheduling_by_default_follows_cuda_graphs_and_the_proposer(llama_dir, every_step):
     plain = LLM(str(llama_dir), dtype="float32").engine.core
     speculative = LLM(str(llama_dir), dtype="float32", speculative_config=NGRAM).engine.core
     assert not plain.async_scheduling and not speculative.async_scheduling  # CPU: no graphs
-    assert plain._use_async_scheduling(use_cuda_graphs=True)
-    assert not speculative._use_async_scheduling(use_cuda_graphs=True)
+    assert plain._use_async_scheduling(True, None)
+    assert speculative._use_async_scheduling(True, NgramProposer)
+    assert not speculative._use_async_scheduling(True, EveryStep)
+    assert EngineConfig(model="unused", async_scheduling=True, speculative_config=NGRAM)
+
+
+def test_async_scheduling_with_a_proposer_that_needs_every_step_is_an_error(llama_dir, every_step):
+    spec = {"method": "every_step", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="async_scheduling=True is not supported with speculative_config.method='every_step'"):
+        LLM(str(llama_dir), dtype="float32", async_scheduling=True, speculative_config=spec)
+    assert not LLM(str(llama_dir), dtype="float32", speculative_config=spec).engine.core.async_scheduling
+
+
+def speculative_prompts(vocab_size):
+    """Repetitive prompts (n-gram drafts get accepted) and random ones (drafts rejected)."""
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for i in range(8):
+        if i % 2:
+            block = torch.randint(5, vocab_size, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen)
+            out.append({"prompt_token_ids": block.tolist() * 6})
+        else:
+            out.append({"prompt_token_ids": torch.randint(5, vocab_size, (20 + i,), generator=gen).tolist()})
+    return out
+
+
+def speculative_run(model_dir, prompts, params, async_scheduling, reject_all=False, **kw):
+    """Token ids and per-request draft counts, and how many launches ran ahead of the step
+    before them and how many steps verified drafts."""
+    llm = LLM(str(model_dir), dtype="float32", block_size=8, async_scheduling=async_scheduling, **kw)
+    core = llm.engine.core
+    if reject_all:
+        reject_all_drafts(llm, core.vocab_size)
+    counts = {"ahead": 0, "verify": 0, "preemptions": 0}
+    launch = core.runner.launch
+
+    def spy(sched, **kwargs):
+        counts["ahead"] += core.runner._in_flight is not None
+        counts["verify"] += bool(sched.scheduled_spec_decode_tokens)
+        return launch(sched, **kwargs)
+
+    core.runner.launch = spy
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks, "KV blocks leaked"
+    counts["preemptions"] = core.scheduler.num_preemptions
+    tokens = [o.outputs[0].token_ids for o in outs]
+    drafts = [(o.metrics.spec_num_draft_tokens, o.metrics.spec_num_accepted_tokens) for o in outs]
+    return tokens, drafts, counts
+
+
+@pytest.mark.parametrize("reject_all", [False, True])
+def test_speculative_engine_runs_ahead_where_nobody_drafts_with_the_same_outputs_and_drafts(llama_dir, reject_all):
+    """Steps in which adaptive drafting has backed every request off run ahead; the others
+    (drafts to verify, or a proposal due) run synchronously. The drafts, their verification
+    and the tokens are those of the synchronous engine."""
+    prompts = speculative_prompts(256)
+    params = mixed_params(len(prompts))
+    params = [SamplingParams(**{**p.__dict__, "max_tokens": 40 + 3 * i}) for i, p in enumerate(params)]
+    spec = {**NGRAM, "max_backoff_steps": 8}
+    kw = dict(speculative_config=spec, enable_prefix_caching=True, max_num_batched_tokens=64, reject_all=reject_all)
+    want, want_drafts, sync_counts = speculative_run(llama_dir, prompts, params, False, **kw)
+    got, got_drafts, counts = speculative_run(llama_dir, prompts, params, True, **kw)
+    assert got == want
+    assert got_drafts == want_drafts
+    assert counts["verify"] == sync_counts["verify"] > 0
+    assert sync_counts["ahead"] == 0 and counts["ahead"] > 0.3 * max(p.max_tokens for p in params)
+    if not reject_all:
+        assert sum(accepted for _, accepted in got_drafts) > 0
+
+
+def test_speculative_engine_runs_ahead_through_preemption(llama_dir):
+    prompts = speculative_prompts(256)
+    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)] * len(prompts)
+    kw = dict(speculative_config={**NGRAM, "max_backoff_steps": 4}, num_kv_blocks=24, max_model_len=128, reject_all=True)
+    want, _, _ = speculative_run(llama_dir, prompts, params, False, **kw)
+    got, _, counts = speculative_run(llama_dir, prompts, params, True, **kw)
+    assert got == want
+    assert counts["ahead"] > 0 and counts["preemptions"] > 0
 
 
 class FinishedRecorder:

@@ -7,7 +7,10 @@ runner; it knows nothing about text (token ids in, token ids out)::
 With async scheduling one step stays in flight: ``step()`` schedules and launches step N,
 then finishes step N-1 (waits for its sampled ids, updates the scheduler) while the device
 runs N, and returns N-1's outputs. A step whose sampling reads the previous tokens on the
-host (grammars, penalties) first finishes the one in flight and then runs synchronously.
+host (penalties) first finishes the one in flight and then runs synchronously; a guided
+step runs ahead and samples once its grammars have caught up. With speculative decoding a
+step runs ahead only when nobody may draft in it (adaptive drafting backed everyone off):
+drafts come from the proposal after the previous step, so that one is finished first.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ class EngineCore:
         )
         # req_id -> when it was first scheduled, until its first output carries it out.
         self._first_scheduled: dict[str, float] = {}
-        self.async_scheduling = self._use_async_scheduling(use_cuda_graphs)
+        self.async_scheduling = self._use_async_scheduling(use_cuda_graphs, proposer_cls)
         # Async scheduling: the step launched and not finished yet (possibly not yet sampled:
         # a guided step's sampling waits for its grammars, ``PendingStep.awaits_sampling``).
         self._in_flight: PendingStep | None = None
@@ -141,13 +144,22 @@ class EngineCore:
             raise ValueError(f"enforce_eager=False asks for CUDA graphs, but {why}; leave enforce_eager unset or True")
         return possible and not self.config.enforce_eager
 
-    def _use_async_scheduling(self, use_cuda_graphs: bool) -> bool:
+    def _use_async_scheduling(self, use_cuda_graphs: bool, proposer_cls) -> bool:
         """By default where it pays: with CUDA graphs a decode step is one launch, and the host
-        work between steps would leave the GPU idle. Speculative steps need their tokens on
-        the host to propose (``EngineConfig`` rejects asking for both)."""
+        work between steps would leave the GPU idle. With speculative decoding only steps in
+        which nobody may draft run ahead (the proposer needs each step's tokens on the host),
+        so a proposer that must see every step (a draft model) keeps the engine synchronous."""
+        if proposer_cls is not None and proposer_cls.needs_every_step:
+            if self.config.async_scheduling:
+                raise ValueError(
+                    f"async_scheduling=True is not supported with speculative_config.method="
+                    f"{proposer_cls.name!r}: its proposer runs after every step (needs_every_step); "
+                    "leave async_scheduling unset or False"
+                )
+            return False
         if self.config.async_scheduling is not None:
             return self.config.async_scheduling
-        return use_cuda_graphs and self.config.speculative is None
+        return use_cuda_graphs
 
     def _max_model_len(self) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None)
@@ -205,6 +217,12 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Run a step; return the outputs of the steps finished meanwhile: this one (synchronous),
         the previous one (async), or both (async, when this one must run synchronously)."""
+        outputs: list[EngineCoreOutput] = []
+        if self._in_flight is not None and self.runner.may_draft_next():
+            # Speculative decoding: the drafts of the step about to be scheduled come from the
+            # proposal after the step in flight, so that one is finished first.
+            outputs = self._finish(self._in_flight)
+            self._in_flight = None
         sched_out = self.scheduler.schedule()
         if sched_out.scheduled_new_reqs:
             now = time.time()
@@ -215,7 +233,10 @@ class EngineCore:
         if self._in_flight is not None and self._in_flight.awaits_sampling:
             self.runner.sample(self._in_flight)
         # Launched also when nothing is scheduled: the runner drops finished requests' state.
-        run_ahead = self.async_scheduling and not sched_out.is_empty and not sched_out.needs_previous_tokens
+        run_ahead = (
+            self.async_scheduling and not sched_out.is_empty and not sched_out.needs_previous_tokens
+            and not sched_out.scheduled_spec_decode_tokens  # verification runs synchronously
+        )
         if run_ahead:
             # Guided requests' bitmasks need the previous step's tokens: this step's forward
             # pass is queued now, its sampling in the next step() (or the next _finish), once
@@ -223,10 +244,9 @@ class EngineCore:
             guided = bool(sched_out.structured_output_request_ids)
             previous, self._in_flight = self._in_flight, self.runner.launch(sched_out, defer_sampling=guided)
             # The device runs the step just launched while the host finishes the previous one.
-            return self._finish(previous) if previous is not None else []
-        outputs = []
+            return outputs + self._finish(previous) if previous is not None else outputs
         if self._in_flight is not None:  # its tokens are this step's inputs on the host
-            outputs = self._finish(self._in_flight)
+            outputs += self._finish(self._in_flight)
             self._in_flight = None
         return outputs + self._finish(self.runner.launch(sched_out))
 

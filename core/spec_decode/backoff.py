@@ -1,7 +1,8 @@
 """Adaptive drafting: a request whose drafts keep being rejected stops drafting for a while,
 with exponential backoff, so that speculation costs little where it does not pay.
 
-A *miss* is a verification step in which the request had drafts and accepted none. After
+A *miss* is a verification step in which the request had drafts and accepted none, or a
+proposal that found no drafts for it (``observe_empty``). After
 ``backoff_after`` misses in a row it gets no drafts for up to ``period`` steps, then drafts
 once (a *probe*); each further miss doubles ``period`` (2, 4, 8, ... up to
 ``max_backoff_steps``), and any accepted draft puts it back to drafting every step::
@@ -48,7 +49,15 @@ class DraftBackoff:
         hit = rows[drafted & (num_accepted > 0)]
         self.misses[hit] = 0
         self.resume_step[hit] = 0
-        missed = rows[drafted & (num_accepted == 0)]
+        self._miss(rows[drafted & (num_accepted == 0)])
+
+    def observe_empty(self, rows: np.ndarray) -> None:
+        """The proposer was asked for drafts for ``rows`` and found none (no n-gram match): a
+        miss too. Such a request gains nothing from the step, yet an engine with a request
+        that may draft cannot run the next step ahead (async scheduling)."""
+        self._miss(rows)
+
+    def _miss(self, missed: np.ndarray) -> None:
         self.misses[missed] += 1
         over = self.misses[missed] - self.backoff_after
         backed = missed[over >= 0]

@@ -131,6 +131,11 @@ class Proposer(ABC):
     # Whether ``propose`` reads ``ProposalBatch.token_ids`` (the runner then keeps a host
     # token table for it).
     uses_token_ids: ClassVar[bool] = True
+    # Whether ``propose`` must see every step, also one in which no request may draft (a draft
+    # model keeps its KV cache in step with the target's). A proposer that only drafts sets
+    # it False: such steps skip it, and may run ahead under async scheduling, which the
+    # engine then keeps on whenever nobody may draft in the next step.
+    needs_every_step: ClassVar[bool] = True
 
     def __init__(self, config: "EngineConfig", target: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         self.config = config
@@ -161,4 +166,5 @@ class Proposer(ABC):
         """Draft token ids for every request of ``batch``, in its order: at most
         ``batch.max_num_drafts[i]`` for request ``i`` (``[]``: no drafts). Called once per
         step, after verification, for every step (also those with nothing to draft, so a
-        draft model can keep its KV cache in step with the target's)."""
+        draft model can keep its KV cache in step with the target's), unless
+        ``needs_every_step`` is False."""

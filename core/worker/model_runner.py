@@ -314,11 +314,18 @@ class ModelRunner:
             state.output_token_ids[position - state.num_prompt_tokens] = token
             out_ids.append([token])
         out = ModelRunnerOutput(pending.req_ids, out_ids, logprobs, prompt_logprobs)
-        if self.spec is not None:
+        if self.spec is not None:  # ahead: a later step is launched already (async scheduling)
+            ahead = self._in_flight is not None
             out.draft_token_ids = self.spec.propose(
-                self, pending.inputs, pending.hidden, pending.states, pending.starts, pending.counts, None, out_ids
+                self, pending.inputs, pending.hidden, pending.states, pending.starts, pending.counts, None, out_ids,
+                ahead=ahead,
             )
         return out
+
+    def may_draft_next(self) -> bool:
+        """Whether the proposal after the step in flight may give any request drafts: then
+        it must be finished before the next step is scheduled (speculative decoding)."""
+        return self.spec is not None and self.spec.may_draft(list(self.requests.values()))
 
     @staticmethod
     def _add_placeholders(states, starts, counts) -> list[int]:

@@ -203,26 +203,38 @@ class SpecDecodeRunner:
         return out
 
     # ---- proposal ------------------------------------------------------------------------
-    def propose(self, runner, step, hidden, states, starts, counts, num_drafts, out_ids) -> list[list[int]]:
-        """Drafts for the next step, for every request of this one (``[]`` for none)."""
+    def propose(
+        self, runner, step, hidden, states, starts, counts, num_drafts, out_ids, ahead: bool = False
+    ) -> list[list[int]]:
+        """Drafts for the next step, for every request of this one (``[]`` for none).
+        ``ahead``: the next step is already launched (async scheduling), so drafts would come
+        too late; the engine launched it only because nobody may draft (``may_draft``)."""
         n = len(states)
         counts_np = np.asarray(counts, dtype=np.int64)
         starts_np = np.asarray(starts, dtype=np.int64)
         if num_drafts is None:
             num_drafts = np.zeros(n, dtype=np.int64)
-        first = first_token_index(step, counts_np)
         num_out = np.fromiter((len(o) for o in out_ids), dtype=np.int64, count=n)
         sampled = num_out > 0
+        # Known tokens after this step (a step launched since then has left a placeholder
+        # past them): the step's end, less rejected drafts, plus what it emitted.
+        num_tokens = starts_np + counts_np - num_drafts + num_out
+        max_drafts = np.where(sampled, self._room(states, num_tokens), 0)
+        rows = self._claim_rows(states)
+        if self.backoff is not None:
+            max_drafts = self.backoff.cap(rows, max_drafts)
+        if ahead:
+            assert not self.proposer.needs_every_step, f"proposer {self.proposer.name!r} ran behind a launched step"
+            return [[] for _ in range(n)]
+        if not self.proposer.needs_every_step and not max_drafts.any():
+            return [[] for _ in range(n)]
+
+        first = first_token_index(step, counts_np)
         last_index = np.where(sampled, first + counts_np - 1 - num_drafts + num_out - 1, first + counts_np - 1)
         next_tokens = np.fromiter(
             (o[-1] if o else s.token_ids[c + cnt] for o, s, c, cnt in zip(out_ids, states, starts, counts)),
             dtype=np.int64, count=n,
         )
-        num_tokens = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=n)
-        max_drafts = np.where(sampled, self._room(states, num_tokens), 0)
-        rows = self._claim_rows(states)
-        if self.backoff is not None:
-            max_drafts = self.backoff.cap(rows, max_drafts)
 
         input_ids, positions, common = step.input_ids, step.positions, step.common
         if input_ids is None:  # a CUDA graph replay: its inputs live in the graph's staging
@@ -254,7 +266,26 @@ class SpecDecodeRunner:
         with _host_sync_point():
             drafts = self.proposer.propose(batch)
         assert len(drafts) == n, f"proposer {self.proposer.name!r} returned {len(drafts)} draft lists for {n} requests"
-        return [list(d[: int(m)]) for d, m in zip(drafts, max_drafts)]
+        drafts = [list(d[: int(m)]) for d, m in zip(drafts, max_drafts)]
+        if self.backoff is not None:  # asked and found nothing: a miss, as a rejected draft is
+            found = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=n)
+            self.backoff.observe_empty(rows[(max_drafts > 0) & (found == 0)])
+        return drafts
+
+    def may_draft(self, states) -> bool:
+        """Whether the next proposal may give any of ``states`` (the runner's requests) drafts.
+        False lets the engine schedule the next step before the one in flight is finished
+        (async scheduling): its proposal is then skipped. Conservative: a request new to its
+        row, or near a limit, counts as one that may draft."""
+        if self.proposer.needs_every_step:
+            return True
+        backoff = self.backoff
+        if backoff is None:
+            return bool(states)
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        if (backoff.resume_step[rows] <= backoff.step).any():
+            return True
+        return any(self._row_owner[s.row] is None or self._row_owner[s.row]() is not s for s in states)
 
     def _room(self, states, num_tokens: np.ndarray) -> np.ndarray:
         """Drafts each request may take: k, fewer near max_model_len or max_tokens (all of
@@ -285,11 +316,11 @@ class SpecDecodeRunner:
         """The batch's rows of the token table, after copying in what each request gained."""
         if self.token_table is None:
             return None
-        for s, row in zip(states, rows.tolist()):
+        for s, row, end in zip(states, rows.tolist(), num_tokens.tolist()):
             have = int(self._table_len[row])
-            if have < len(s.token_ids):
-                self.token_table[row, have : len(s.token_ids)] = s.token_ids[have:]
-                self._table_len[row] = len(s.token_ids)
+            if have < end:
+                self.token_table[row, have:end] = s.token_ids[have:end]
+                self._table_len[row] = end
         return self.token_table[rows, : int(num_tokens.max())]
 
 
