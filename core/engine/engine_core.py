@@ -228,10 +228,6 @@ class EngineCore:
             now = time.time()
             for new in sched_out.scheduled_new_reqs:  # resumed after preemption: keep the first time
                 self._first_scheduled.setdefault(new.req_id, now)
-        # The step in flight, if its sampling waited for its grammars: they have had the time
-        # since the last step() returned (outputs, this schedule()); its samples feed this step.
-        if self._in_flight is not None and self._in_flight.awaits_sampling:
-            self.runner.sample(self._in_flight)
         # Launched also when nothing is scheduled: the runner drops finished requests' state.
         run_ahead = (
             self.async_scheduling and not sched_out.is_empty and not sched_out.needs_previous_tokens
@@ -239,8 +235,8 @@ class EngineCore:
         )
         if run_ahead:
             # Guided requests' bitmasks need the previous step's tokens: this step's forward
-            # pass is queued now, its sampling in the next step() (or the next _finish), once
-            # the previous step's tokens have advanced the grammars and filled the bitmask.
+            # pass is queued now, its sampling in the next launch (once that step's inputs are
+            # staged: the grammars get all the host work of a step) or the next _finish.
             guided = bool(sched_out.structured_output_request_ids)
             previous, self._in_flight = self._in_flight, self.runner.launch(sched_out, defer_sampling=guided)
             # The device runs the step just launched while the host finishes the previous one.

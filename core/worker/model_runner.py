@@ -260,12 +260,16 @@ class ModelRunner:
             with host_sync_point():  # the previous step's uploads have read the pinned staging
                 self._inputs_uploaded.synchronize()
         step = self._prepare_inputs(states, starts, counts)
+        # Before this step's placeholders: seeds and min_tokens count the outputs before it.
+        md = build_sampling_metadata(states, self.eos_token_ids, self.vocab_size, self.device)
         if previous is not None:
+            if previous.awaits_sampling:
+                # Its grammars have had until now (this step's host work is done): queue its
+                # sampling, whose ids feed this step's forward pass.
+                self.sample(previous)
             self._feed_samples(previous, step, states, starts, counts)
         if self._inputs_uploaded is not None:
             self._inputs_uploaded.record()
-        # Before this step's placeholders: seeds and min_tokens count the outputs before it.
-        md = build_sampling_metadata(states, self.eos_token_ids, self.vocab_size, self.device)
         logits, hidden = self._logits(step, return_hidden=True)
         pending = PendingStep(sched, req_ids, states, self._add_placeholders(states, starts, counts))
         pending.inputs, pending.hidden, pending.starts, pending.counts = step, hidden, starts, counts
