@@ -218,7 +218,7 @@ def test_hook_pagelm_register_proposers(llama_dir):
     assert stats["num_drafts"] > 0
 
 
-def test_guided_requests_get_no_drafts_and_keep_their_grammar(make_model):
+def test_guided_requests_verify_drafts_next_to_plain_ones_and_keep_their_grammar(make_model):
     from pagelm import GuidedDecodingParams
 
     model = make_model("spec_llama", "llama")
@@ -226,7 +226,6 @@ def test_guided_requests_get_no_drafts_and_keep_their_grammar(make_model):
     guided = SamplingParams(temperature=1.0, seed=1, max_tokens=64, guided_decoding=GuidedDecodingParams(regex=r"[ab]{3,9}c"))
     llm = LLM(str(model), dtype="float32", block_size=8, speculative_config=NGRAM)
     outs = llm.generate([repetitive, repetitive], [GREEDY, guided], use_tqdm=False)
-    assert outs[0].metrics.spec_num_accepted_tokens > 0  # drafts verified next to the guided row
-    assert outs[1].metrics.spec_num_drafts == 0
+    assert outs[0].metrics.spec_num_accepted_tokens > 0  # drafts verified next to the guided rows
     assert outs[1].outputs[0].finish_reason == "stop"
     assert re.fullmatch(r"[ab]{3,9}c", outs[1].outputs[0].text)

@@ -370,14 +370,18 @@ class Scheduler:
 
     def _room_for_drafts(self, req: Request, drafts: list[int]) -> list[int]:
         """Drafts capped so that even if all are accepted, the step's output (drafts + one)
-        stays within ``max_tokens`` and ``max_model_len``. Guided requests get none: their
-        grammar is advanced one sampled token at a time."""
-        if req.use_structured_output or not drafts:
+        stays within ``max_tokens`` and ``max_model_len``; a guided request's cut to what its
+        grammar allows after the tokens just sampled (a rejected draft, and every draft after
+        it, could never be emitted: they are not verified)."""
+        if not drafts:
             return []
         room = self.max_model_len - req.num_tokens - 1
         if req.max_tokens is not None:
             room = min(room, req.max_tokens - req.num_output_tokens - 1)
-        return list(drafts[: max(room, 0)])
+        drafts = list(drafts[: max(room, 0)])
+        if drafts and req.grammar is not None:
+            drafts = self.structured_output.validate_drafts(req, drafts)
+        return drafts
 
     def _advance_grammar(self, req: Request, new_ids: list[int]) -> None:
         """Hand the sampled tokens to the grammar (it takes them while the next forward pass

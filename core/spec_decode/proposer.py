@@ -46,8 +46,8 @@ class ProposalBatch:
     """
 
     req_ids: list[str]
-    # [n] at most this many drafts for request i; 0: none (unfinished prefill chunk, guided
-    # request, backed off after rejected drafts (adaptive drafting), or no room left before
+    # [n] at most this many drafts for request i; 0: none (unfinished prefill chunk, backed
+    # off after rejected drafts (adaptive drafting), or no room left before
     # max_model_len / max_tokens). A proposer does no drafting work for such a request.
     max_num_drafts: np.ndarray
     # [n, width] int32, prompt + every accepted output token, zero padded; and [n] lengths.

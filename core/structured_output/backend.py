@@ -19,9 +19,10 @@ grammar is complete: the scheduler ends a guided request when it samples one (re
 The bitmask is xgrammar's layout: ``int32 [rows, ceil(vocab_size / 32)]``, bit ``j % 32`` of
 word ``j // 32`` set when token ``j`` is allowed.
 
-Speculative decoding (not built yet) plugs in through ``validate_tokens`` (how many leading
-draft tokens the grammar accepts, without moving) and ``rollback`` (undo the rejected tail
-after ``accept_tokens``).
+Speculative decoding uses ``validate_tokens`` (how many leading drafts the grammar accepts,
+without moving: the rest are dropped before verification) and, for the rows of the drafts
+kept, ``batch_accept_tokens`` / ``fill_bitmasks`` one draft position at a time, then
+``rollback`` over them: only the tokens the rejection sampler emits advance the grammar.
 """
 
 from __future__ import annotations

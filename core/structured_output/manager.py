@@ -7,6 +7,7 @@ them, and fills the batch's allowed-token bitmask for the runner.
     Scheduler.schedule    ── poll() ──────────► (compiled: admit, failed or timed out: finish)
     ModelRunner           ── grammar_bitmask(req_ids) ──► int32 CPU [n, ceil(vocab / 32)]
     Scheduler.update_from_output ── accept_tokens(request, sampled)
+                                 ── validate_drafts(request, drafts) ──► the prefix it may verify
     EngineCore.step (last) ── prepare_bitmask()
 
 The grammar work of a step starts as soon as the previous step's tokens are known, on a
@@ -21,6 +22,19 @@ the requests sampled in the previous step, which is the next step's order while 
 and copies the rows into the step's order when it changed (a preemption). Grammars move only
 in these jobs, so a staged row stays valid until the next one.
 
+With speculative decoding a guided request verifies drafts too. Its drafts are cut, when
+stored, to the longest prefix its grammar allows (``validate_drafts``: a rejected draft could
+never be emitted, so neither could the drafts after it), and its ``1 + d`` logits rows are
+masked with what the grammar allows after each prefix of the drafts::
+
+    rows of a request verifying d1 d2 | its next token | after d1 | after d1 d2 |
+    grammar_bitmask(req_ids, drafts):   staged row       accept d1, fill; accept d2, fill;
+                                                         rollback 2
+
+so the grammar is back where it was, and only the tokens the rejection sampler emits are
+applied to it (``accept_tokens``). Steps that verify drafts run synchronously: the grammars
+are at their request's last token when the rows are filled.
+
 Compiled grammars are cached by (kind, canonical spec), bounded by their total
 ``memory_size_bytes``, least recently used evicted first. Requests asking for a constraint
 that is already compiling wait on the same compile. A compile that outlives
@@ -31,18 +45,20 @@ background and is cached, as threads cannot be killed).
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from pagelm.kv_cache import cdiv
-from pagelm.structured_output.backend import CompiledGrammar, StructuredOutputBackend
+from pagelm.structured_output.backend import CompiledGrammar, StructuredOutputBackend, StructuredOutputGrammar
 
 if TYPE_CHECKING:
     from pagelm.config import EngineConfig
@@ -137,6 +153,7 @@ class StructuredOutputManager:
         self._staged_ids: list[str] = []
         self._staged: torch.Tensor | None = None
         self._ordered: torch.Tensor | None = None  # the step's order, when staged rows are not
+        self._drafted: torch.Tensor | None = None  # rows of a step verifying drafts (1 + d each)
 
     # ---- the scheduler's side ------------------------------------------------------------
     def submit(self, request: "Request") -> bool:
@@ -220,6 +237,19 @@ class StructuredOutputManager:
         (a rejected token, which the bitmask rules out, sets ``request.error``)."""
         self._unapplied.setdefault(request.request_id, []).extend(token_ids)
 
+    def validate_drafts(self, request: "Request", drafts: list[int]) -> list[int]:
+        """The drafts ``request`` may verify: the longest prefix of ``drafts`` its grammar
+        allows after every token it sampled (applied or not yet), the grammar left as it was.
+        A stop token (EOS) is cut too: it ends the grammar, so the row after it would allow
+        nothing, and the row before it allows it where the grammar may end, so the target
+        samples it there itself (and a guided request's EOS only ever comes last)."""
+        if not self.eos_token_ids.isdisjoint(drafts):
+            drafts = list(itertools.takewhile(lambda token: token not in self.eos_token_ids, drafts))
+        self._finish_job()  # a job in flight may hold this grammar
+        pending = self._unapplied.get(request.request_id, [])
+        n = request.grammar.validate_tokens([*pending, *drafts]) - len(pending)
+        return drafts[: max(n, 0)]
+
     def release(self, request: "Request") -> None:
         """``request`` left the engine (finished, aborted, or failed)."""
         self._unapplied.pop(request.request_id, None)
@@ -245,10 +275,20 @@ class StructuredOutputManager:
             self._job = self._bitmask_worker.submit(self._advance_and_fill, *self._stage())
 
     # ---- the runner's side ---------------------------------------------------------------
-    def grammar_bitmask(self, request_ids: list[str]) -> torch.Tensor:
+    def grammar_bitmask(self, request_ids: list[str], drafts: list[Sequence[int]] | None = None) -> torch.Tensor:
         """Allowed tokens of each request's next sample: row ``i`` for ``request_ids[i]``,
         int32 on the CPU (pinned on CUDA machines), ``ceil(vocab_size / 32)`` words wide.
+        With ``drafts`` (``drafts[i]``: the drafts ``request_ids[i]`` verifies, all allowed by
+        ``validate_drafts``) request ``i`` owns ``1 + len(drafts[i])`` consecutive rows, the
+        ``j``-th of them allowing what may follow its first ``j`` drafts.
         The runner must be done reading it (copied to the device, synced) by the step's end."""
+        bitmask = self._next_token_rows(request_ids)
+        if drafts is None or not any(drafts):
+            return bitmask
+        return self._with_draft_rows(request_ids, drafts, bitmask)
+
+    def _next_token_rows(self, request_ids: list[str]) -> torch.Tensor:
+        """``grammar_bitmask`` without drafts: the staged rows, in ``request_ids``' order."""
         self._finish_job()
         if self._unapplied:  # a few requests, or the step loop did not prepare: do it now
             self._take(self._advance_and_fill(*self._stage()))
@@ -283,6 +323,49 @@ class StructuredOutputManager:
         if missing:
             grammars = [self.requests[request_ids[i]].grammar for i in missing]
             self._get_backend().fill_bitmasks(grammars, bitmask, rows=missing)
+        return bitmask
+
+    def _with_draft_rows(
+        self, request_ids: list[str], drafts: list[Sequence[int]], first_rows: torch.Tensor
+    ) -> torch.Tensor:
+        """``first_rows`` spread out to ``1 + len(drafts[i])`` rows per request, the others
+        filled one draft position at a time, over all the requests that have one there (two
+        batch calls per position), then every grammar rolled back over its drafts."""
+        starts = [0, *itertools.accumulate(1 + len(d) for d in drafts)]
+        self._drafted = self._rows_buffer(self._drafted, starts[-1])
+        bitmask = self._drafted[: starts[-1]]
+        bitmask[starts[:-1]] = first_rows
+        backend = self._get_backend()
+        grammars: dict[int, StructuredOutputGrammar] = {}
+        for i, (req_id, d) in enumerate(zip(request_ids, drafts)):
+            if d and req_id in self.requests:
+                grammars[i] = self.requests[req_id].grammar
+            elif d:  # finished since it was scheduled (async scheduling): samples discarded
+                bitmask[starts[i] + 1 : starts[i + 1]] = -1
+        moved = dict.fromkeys(grammars, 0)
+        walking = list(grammars)
+        for j in range(max(len(d) for d in drafts)):
+            walking = [i for i in walking if j < len(drafts[i])]
+            if not walking:
+                break
+            accepted = backend.batch_accept_tokens([grammars[i] for i in walking], [[drafts[i][j]] for i in walking])
+            # Drafts not validated (a bug upstream, not a crash): a rejected draft is ruled out
+            # by the row before it, a stop token ends the request; the rows after either are
+            # never emitted.
+            still = []
+            for i, ok in zip(walking, accepted):
+                moved[i] += ok
+                if ok and drafts[i][j] not in self.eos_token_ids:
+                    still.append(i)
+                else:
+                    bitmask[starts[i] + j + 1 : starts[i + 1]] = -1
+            walking = still
+            if not walking:
+                break
+            backend.fill_bitmasks([grammars[i] for i in walking], bitmask, rows=[starts[i] + j + 1 for i in walking])
+        for i, n in moved.items():
+            if n:
+                grammars[i].rollback(n)
         return bitmask
 
     # ---- the worker ----------------------------------------------------------------------

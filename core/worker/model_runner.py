@@ -380,17 +380,28 @@ class ModelRunner:
         return (logits, hidden) if return_hidden else logits
 
     def _apply_grammar(
-        self, logits: torch.Tensor, constrained: list[str], req_ids: list[str], rows_of: list[int] | None = None
+        self,
+        logits: torch.Tensor,
+        constrained: list[str],
+        req_ids: list[str],
+        rows_of: list[int] | None = None,
+        drafts: dict[str, list[int]] | None = None,
     ) -> None:
-        """``rows_of[i]``: the logits row of ``req_ids[i]`` (default ``i``; differs when
-        drafts add rows)."""
-        bitmask = self.structured_output.grammar_bitmask(constrained)
+        """``rows_of[i]``: the (first) logits row of ``req_ids[i]`` (default ``i``; differs
+        when drafts add rows); ``drafts``: the drafts a request verifies, one row each after
+        its first (speculative decoding), masked with what its grammar allows after them."""
+        guided_drafts = [drafts.get(r, ()) for r in constrained] if drafts else None
+        bitmask = self.structured_output.grammar_bitmask(constrained, guided_drafts)
         if bitmask is None:
             return
         rows = None  # every request constrained: bitmask row i is logits row i
         if constrained != req_ids or rows_of is not None:
             index = {r: (i if rows_of is None else rows_of[i]) for i, r in enumerate(req_ids)}
-            rows = torch.tensor([index[r] for r in constrained], dtype=torch.long).to(self.device, non_blocking=True)
+            if guided_drafts is None:
+                logits_rows = [index[r] for r in constrained]
+            else:
+                logits_rows = [index[r] + j for r, d in zip(constrained, guided_drafts) for j in range(1 + len(d))]
+            rows = torch.tensor(logits_rows, dtype=torch.long).to(self.device, non_blocking=True)
         apply_token_bitmask(logits, bitmask, rows=rows)
 
     def _prepare_inputs(self, states, starts, counts, allow_graph: bool = True, drafts=None) -> StepInputs:

@@ -178,8 +178,12 @@ class SpecDecodeRunner:
         else:
             logits, hidden = runner._logits(step, return_hidden=True, logits_indices=index)
         if sched.structured_output_request_ids and runner.structured_output is not None:
-            # Guided requests carry no drafts: one row each, at row_start.
-            runner._apply_grammar(logits, sched.structured_output_request_ids, req_ids, rows_of=row_start.tolist())
+            # A guided request's 1 + d rows from row_start: what its grammar allows after each
+            # prefix of its drafts. The rejection sampler then verifies against masked logits.
+            runner._apply_grammar(
+                logits, sched.structured_output_request_ids, req_ids, rows_of=row_start.tolist(),
+                drafts=sched.scheduled_spec_decode_tokens,
+            )
         with _host_sync_point():  # the verified tokens (and logprobs) come to the host
             verified = self.rejection_sampler(logits, md, [list(d) for d in drafts], runner.generator)
             prompt_logprobs = runner._prompt_logprobs(states, starts, counts, hidden, step.common)
@@ -289,13 +293,12 @@ class SpecDecodeRunner:
 
     def _room(self, states, num_tokens: np.ndarray) -> np.ndarray:
         """Drafts each request may take: k, fewer near max_model_len or max_tokens (all of
-        them plus the target's token must fit), none under a grammar."""
+        them plus the target's token must fit). A guided request's drafts are checked against
+        its grammar when the scheduler stores them."""
         room = np.minimum(self.num_speculative_tokens, self.max_model_len - num_tokens - 1)
         for i, s in enumerate(states):
             p = s.sampling_params
-            if p.guided_decoding is not None:
-                room[i] = 0
-            elif p.max_tokens is not None:
+            if p.max_tokens is not None:
                 room[i] = min(room[i], p.max_tokens - len(s.output_token_ids) - 1)
         return np.maximum(room, 0)
 
