@@ -2,7 +2,8 @@
 runner; it knows nothing about text (token ids in, token ids out)::
 
     step():  scheduler.schedule() -> runner.launch() -> runner.finish() -> scheduler.update_from_output()
-             -> structured_output.prepare_bitmask()   (grammar work for the next step, threaded)
+                                      (first: structured_output.prepare_bitmask(), the grammar
+                                       work for the next step, on a worker thread)
 
 With async scheduling one step stays in flight: ``step()`` schedules and launches step N,
 then finishes step N-1 (waits for its sampled ids, updates the scheduler) while the device
@@ -253,10 +254,10 @@ class EngineCore:
         if pending.awaits_sampling:
             self.runner.sample(pending)
         runner_out = self.runner.finish(pending)
+        # Guided decoding: first thing, the scheduler hands this step's tokens to the grammars
+        # and a worker thread fills the next step's bitmask while the outputs go out and the
+        # next step is built (``StructuredOutputManager.prepare_bitmask``).
         outputs, finished = self.scheduler.update_from_output(pending.sched, runner_out)
-        # Guided decoding: advance the grammars by this step's tokens and fill the next step's
-        # bitmask on a worker thread, while the outputs go out and the next step is built.
-        self.structured_output.prepare_bitmask()
         if self._first_scheduled:
             for out in outputs:
                 out.first_scheduled_time = self._first_scheduled.pop(out.request_id, None)

@@ -292,6 +292,8 @@ class Scheduler:
         outputs = [EngineCoreOutput(r.request_id, [], finish_reason="error", error=r.error) for r in self._failed]
         finished, self._failed = self._failed, []
         index = {req_id: i for i, req_id in enumerate(runner_out.req_ids)}
+        if sched_out.structured_output_request_ids:
+            self._advance_grammars(sched_out, runner_out, index)
         for req in self._scheduled_requests(sched_out):
             req_id = req.request_id
             if req.is_finished:  # it ended (EOS, stop, abort) while this step was in flight
@@ -383,15 +385,28 @@ class Scheduler:
             drafts = self.structured_output.validate_drafts(req, drafts)
         return drafts
 
+    def _advance_grammars(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput, index: dict) -> None:
+        """Hand the guided requests' samples to their grammars and start the worker on them
+        (accept, then fill the next step's bitmask) before the rest of the step's accounting:
+        under async scheduling the next step's sampling waits for that bitmask. A request
+        that ended (EOS, an error, finished while the step was in flight) is left out; one
+        that ends in the accounting below (max_tokens) only wasted its grammar a token."""
+        for req_id in sched_out.structured_output_request_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished or req.error is not None or not req.num_output_placeholders:
+                continue
+            new_ids = runner_out.sampled_token_ids[index[req_id]]
+            if new_ids and new_ids[-1] not in req.eos_token_ids:
+                self.structured_output.accept_tokens(req, new_ids)
+        self.structured_output.prepare_bitmask()
+
     def _advance_grammar(self, req: Request, new_ids: list[int]) -> None:
-        """Hand the sampled tokens to the grammar (it takes them while the next forward pass
-        runs). A grammar allows EOS only where it is complete: sampling EOS ends the request."""
+        """The grammar's verdict on the sampled tokens (``_advance_grammars`` handed them over).
+        A grammar allows EOS only where it is complete: sampling EOS ends the request."""
         if req.error is not None:  # its grammar rejected the previous tokens
             req.status = RequestStatus.FINISHED_ERROR
         elif new_ids[-1] in req.eos_token_ids:
             req.status = RequestStatus.FINISHED_STOPPED
-        elif not req.is_finished:
-            self.structured_output.accept_tokens(req, new_ids)
 
     def _check_stop(self, req: Request) -> None:
         token = req.output_token_ids[-1]

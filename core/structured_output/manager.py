@@ -6,17 +6,18 @@ them, and fills the batch's allowed-token bitmask for the runner.
                                                        request is WAITING_FOR_GRAMMAR
     Scheduler.schedule    ── poll() ──────────► (compiled: admit, failed or timed out: finish)
     ModelRunner           ── grammar_bitmask(req_ids) ──► int32 CPU [n, ceil(vocab / 32)]
-    Scheduler.update_from_output ── accept_tokens(request, sampled)
+    Scheduler.update_from_output ── accept_tokens(request, sampled), then prepare_bitmask()
                                  ── validate_drafts(request, drafts) ──► the prefix it may verify
-    EngineCore.step (last) ── prepare_bitmask()
 
 The grammar work of a step starts as soon as the previous step's tokens are known, on a
 worker thread (xgrammar drops the GIL in its batch calls)::
 
-    main:    | update | prepare | outputs, schedule, runner inputs, forward queued | grammar_bitmask |
-    worker:            | accept last tokens, fill next rows |                       (joined here)
+    main:    | prepare | update, outputs, schedule, next step's inputs | grammar_bitmask | forward
+    worker:            | accept last tokens, fill next rows |            (joined here)
 
-so it overlaps everything the main thread does up to the sampler. The rows come in the order
+so it overlaps everything the main thread does up to the sampler (under async scheduling
+the sampling of a guided step is queued inside the next step's launch, once that step's
+inputs are staged, just before its forward pass). The rows come in the order
 the requests sampled in the previous step, which is the next step's order while they decode;
 ``grammar_bitmask`` fills the rows of requests sampling for the first time (they come last),
 and copies the rows into the step's order when it changed (a preemption). Grammars move only
