@@ -7,6 +7,10 @@ Processing order (each stage is skipped when no row in the batch uses it)::
         ├─ allowed_token_mask ─ min_tokens forbids ─ penalties ──► greedy rows: argmax
         │
         └─ temperature ─ min_p ─ top_k ─ top_p ─ softmax ─ exponential race ──► random rows
+
+On CUDA the model runner samples a batch of random rows with nothing but a temperature (and
+a guided-decoding bitmask) in one Triton kernel instead (``pagelm.sample.triton_race``,
+``Sampler.race_fusable``), with the race's noise drawn at launch (``draw_noise``).
 """
 
 from __future__ import annotations
@@ -41,15 +45,17 @@ class Sampler(nn.Module):
         logits: torch.Tensor,
         md: SamplingMetadata,
         generator: torch.Generator | None = None,
+        noise: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Sample one token per row of ``logits`` [N, V] float32.
 
         ``generator`` drives the random rows that have no generator of their own in
-        ``md.generators``; ``None`` means torch's default generator.
+        ``md.generators``; ``None`` means torch's default generator. ``noise``: the race's
+        ``q``, drawn beforehand by ``draw_noise`` (the same draws, queued earlier).
         """
         assert logits.dim() == 2 and logits.dtype == torch.float32, "sampler expects [N, V] float32 logits"
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
-        sampled = self.sample(process_logits(logits, md), md, generator)
+        sampled = self.sample(process_logits(logits, md), md, generator, noise)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
@@ -60,16 +66,40 @@ class Sampler(nn.Module):
         logits: torch.Tensor,
         md: SamplingMetadata,
         generator: torch.Generator | None,
+        noise: torch.Tensor | None = None,
     ) -> torch.Tensor:
         greedy = None if md.all_random else logits.argmax(dim=-1)
         if md.all_greedy:
             return greedy
 
-        random = exponential_race(sampling_probs(logits, md), md.generators, generator)
+        random = exponential_race(sampling_probs(logits, md), md.generators, generator, noise)
 
         if greedy is None:
             return random
         return torch.where(md.temperature < SAMPLING_EPS, greedy, random)
+
+
+    @staticmethod
+    def draw_noise(
+        logits: torch.Tensor, md: SamplingMetadata, generator: torch.Generator | None
+    ) -> torch.Tensor | None:
+        """The exponential race's ``q`` for this batch (None: all greedy, nothing to draw),
+        drawn now, as ``sample`` would: it depends on no logit, so it can be queued with
+        the forward pass, ahead of whatever the sampling waits for (a grammar's bitmask)."""
+        if md.all_greedy:
+            return None
+        return draw_race_noise(logits, md.generators, generator)
+
+    @staticmethod
+    def race_fusable(md: SamplingMetadata) -> bool:
+        """Whether ``pagelm.sample.triton_race`` can sample this batch in one kernel: every
+        row random, nothing between the (masked) logits and the race but the temperature,
+        no logprobs, no per-request generators."""
+        return (
+            md.all_random and md.top_k is None and md.top_p is None and md.min_p is None and md.no_penalties
+            and not md.min_tokens_stop_ids and md.allowed_token_mask is None and md.max_num_logprobs is None
+            and not md.generators
+        )
 
 
 def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -211,18 +241,28 @@ def exponential_race(
     probs: torch.Tensor,
     generators: dict[int, torch.Generator],
     generator: torch.Generator | None,
+    q: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sample from each row of ``probs`` as ``argmax(probs / q)`` with ``q ~ Exp(1)``.
+    """Sample from each row of ``probs`` as ``argmax(probs / q)`` with ``q ~ Exp(1)``
+    (``draw_race_noise``, unless given).
 
-    Equivalent to a categorical draw, but needs no cumsum or host sync. Seeded rows redraw
-    their ``q`` with their own generator, so their token depends only on that generator.
+    Equivalent to a categorical draw, but needs no cumsum or host sync.
     """
-    q = torch.empty_like(probs).exponential_(generator=generator)
+    if q is None:
+        q = draw_race_noise(probs, generators, generator)
+    return (probs / q).argmax(dim=-1)
+
+
+def draw_race_noise(
+    like: torch.Tensor, generators: dict[int, torch.Generator], generator: torch.Generator | None
+) -> torch.Tensor:
+    """``q ~ Exp(1)`` shaped like ``like``, float32, clamped above 0. Seeded rows redraw their
+    ``q`` with their own generator, so their token depends only on that generator."""
+    q = torch.empty(like.shape, dtype=torch.float32, device=like.device).exponential_(generator=generator)
     for row, row_generator in generators.items():
         q[row].exponential_(generator=row_generator)
     # Exp(1) can round to 0; a 0/0 would be NaN, which argmax treats as the maximum.
-    q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return (probs / q).argmax(dim=-1)
+    return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
 
 # --------------------------------------------------------------------------------------------

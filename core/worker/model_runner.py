@@ -36,8 +36,8 @@ from pagelm.attention import (
 )
 from pagelm.config import EngineConfig
 from pagelm.kv_cache import cdiv
-from pagelm.sample import Sampler, SamplingMetadata
-from pagelm.sample.bitmask import apply_token_bitmask
+from pagelm.sample import Sampler, SamplerOutput, SamplingMetadata
+from pagelm.sample.bitmask import apply_token_bitmask, upload_bitmask
 from pagelm.sample.sampler import LogprobsTensors
 from pagelm.sampling_params import SamplingParams
 from pagelm.sched.output import SchedulerOutput
@@ -274,6 +274,8 @@ class ModelRunner:
         pending = PendingStep(sched, req_ids, states, self._add_placeholders(states, starts, counts))
         pending.inputs, pending.hidden, pending.starts, pending.counts = step, hidden, starts, counts
         pending.logits, pending.sampling_metadata = logits, md
+        if logits.is_cuda:  # the race's noise needs no logit: queued now, with the forward pass
+            pending.noise = self.sampler.draw_noise(logits, md, self.generator)
         self._in_flight = pending
         if not defer_sampling:
             self.sample(pending)
@@ -283,11 +285,23 @@ class ModelRunner:
     def sample(self, pending: PendingStep) -> None:
         """Queue a launched step's sampling (its grammar bitmask first) and the copy of the
         sampled ids to the host."""
-        sched, step = pending.sched, pending.inputs
+        sched, step, md = pending.sched, pending.inputs, pending.sampling_metadata
         logits, pending.logits = pending.logits, None
-        if sched.structured_output_request_ids and self.structured_output is not None:
-            self._apply_grammar(logits, sched.structured_output_request_ids, pending.req_ids)
-        sampled = self.sampler(logits, pending.sampling_metadata, self.generator)
+        noise, pending.noise = pending.noise, None
+        constrained = sched.structured_output_request_ids if self.structured_output is not None else []
+        if noise is not None and Sampler.race_fusable(md) and constrained in ([], pending.req_ids):
+            # One kernel (pagelm.sample.triton_race): temperature, the grammar's bitmask when
+            # every request has one, the race over the noise drawn at launch.
+            from pagelm.sample.triton_race import exponential_race_triton
+
+            bitmask = self.structured_output.grammar_bitmask(constrained) if constrained else None
+            if bitmask is not None:
+                bitmask = upload_bitmask(bitmask, self.device)
+            sampled = SamplerOutput(exponential_race_triton(logits, noise, md.temperature, bitmask), None)
+        else:
+            if constrained:
+                self._apply_grammar(logits, constrained, pending.req_ids)
+            sampled = self.sampler(logits, md, self.generator, noise)
         prompt_logprobs = self._prompt_logprobs_tensors(
             pending.states, pending.starts, pending.counts, pending.hidden, step.common
         )

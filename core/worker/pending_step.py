@@ -60,6 +60,8 @@ class PendingStep:
     # the sampling parameters of the step.
     logits: torch.Tensor | None = None
     sampling_metadata: Any = None
+    # The sampler's random draws for the step (``Sampler.draw_noise``), queued at launch (CUDA).
+    noise: torch.Tensor | None = None
 
     @property
     def awaits_sampling(self) -> bool:
