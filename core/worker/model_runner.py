@@ -37,7 +37,7 @@ from pagelm.attention import (
 from pagelm.config import EngineConfig
 from pagelm.kv_cache import cdiv
 from pagelm.sample import Sampler, SamplerOutput, SamplingMetadata
-from pagelm.sample.bitmask import apply_token_bitmask, upload_bitmask
+from pagelm.sample.bitmask import apply_token_bitmask
 from pagelm.sample.sampler import LogprobsTensors
 from pagelm.sampling_params import SamplingParams
 from pagelm.sched.output import SchedulerOutput
@@ -116,6 +116,7 @@ class ModelRunner:
         # Recorded once a step's host-to-device input copies are queued: the next step waits
         # for it before it rewrites the pinned staging those copies read.
         self._inputs_uploaded = torch.cuda.Event() if device.type == "cuda" else None
+        self._bitmask_device: torch.Tensor | None = None  # guided rows for the one-kernel race
 
     def enable_speculative_decoding(self, proposer) -> None:
         """Verify drafts and ask ``proposer`` for new ones every step. Before the KV cache is
@@ -263,11 +264,13 @@ class ModelRunner:
         # Before this step's placeholders: seeds and min_tokens count the outputs before it.
         md = build_sampling_metadata(states, self.eos_token_ids, self.vocab_size, self.device)
         if previous is not None:
+            feeds = self._feed_index(previous, states, starts, counts)
             if previous.awaits_sampling:
                 # Its grammars have had until now (this step's host work is done): queue its
                 # sampling, whose ids feed this step's forward pass.
                 self.sample(previous)
-            self._feed_samples(previous, step, states, starts, counts)
+            if feeds is not None:
+                self._feed_samples(previous, step, feeds)
         if self._inputs_uploaded is not None:
             self._inputs_uploaded.record()
         logits, hidden = self._logits(step, return_hidden=True)
@@ -296,7 +299,7 @@ class ModelRunner:
 
             bitmask = self.structured_output.grammar_bitmask(constrained) if constrained else None
             if bitmask is not None:
-                bitmask = upload_bitmask(bitmask, self.device)
+                bitmask = self._upload_bitmask(bitmask)
             sampled = SamplerOutput(exponential_race_triton(logits, noise, md.temperature, bitmask), None)
         else:
             if constrained:
@@ -308,6 +311,18 @@ class ModelRunner:
         pending.copy_to_host(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs)
         if self.spec is None:  # only the proposer reads them
             pending.inputs = pending.hidden = None
+
+    def _upload_bitmask(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """``bitmask`` in a persistent device buffer, copied on the current stream: the kernel
+        reading it is queued next (the forward pass is done by now: no side stream to overlap
+        it with), and the next step's copy is queued after that kernel."""
+        n = bitmask.shape[0]
+        if self._bitmask_device is None or self._bitmask_device.shape[0] < n:
+            rows = max(n, self.max_num_reqs)
+            self._bitmask_device = torch.empty((rows, bitmask.shape[1]), dtype=bitmask.dtype, device=self.device)
+        on_device = self._bitmask_device[:n]
+        on_device.copy_(bitmask, non_blocking=True)
+        return on_device
 
     @torch.inference_mode()
     def finish(self, pending: PendingStep) -> ModelRunnerOutput:
@@ -359,14 +374,16 @@ class ModelRunner:
                 positions.append(-1)
         return positions
 
-    def _feed_samples(self, previous: PendingStep, step: StepInputs, states, starts, counts) -> None:
-        """Inputs that are samples of ``previous``, a step not finished yet (a decode right
-        after it; async scheduling): copied device to device into this step's input ids over
-        the placeholders the host wrote, with one small index upload."""
+    def _feed_index(self, previous: PendingStep, states, starts, counts) -> torch.Tensor | None:
+        """Which of this step's input ids are samples of ``previous`` (a step not finished
+        yet; async scheduling): ``[2, n]`` (flat input index, row of ``previous.sampled``) on
+        the device, or None. Host work only, so it goes before a deferred sampling."""
         dst, src = previous.feeds(states, starts, counts)
-        if not dst:
-            return
-        index = to_device([dst, src], torch.long, self.device)
+        return to_device([dst, src], torch.long, self.device) if dst else None
+
+    def _feed_samples(self, previous: PendingStep, step: StepInputs, index: torch.Tensor) -> None:
+        """Copy ``previous``'s samples device to device into this step's input ids, over the
+        placeholders the host wrote (``index`` from ``_feed_index``)."""
         token_ids = previous.sampled.index_select(0, index[1])
         if step.input_ids is None:  # a CUDA graph replay reads its staged copy
             self.cuda_graphs.feed_input_ids(index[0], token_ids)
