@@ -42,12 +42,16 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     if logits.is_cuda and _TRITON_AVAILABLE:
         from pagelm.sample.triton_bitmask import apply_token_bitmask_triton
 
-        apply_token_bitmask_triton(logits, _upload(bitmask, logits.device), rows)
+        apply_token_bitmask_triton(logits, upload_bitmask(bitmask, logits.device), rows)
         return
     apply_token_bitmask_torch(logits, bitmask, rows)
 
 
-def _upload(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+def upload_bitmask(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``bitmask`` on ``device`` for kernels queued next on the current stream. A large pinned
+    one is copied on a side stream, so that the copy overlaps the forward pass still running
+    on the current stream (which waits for it); it must stay unchanged until the step's next
+    host sync."""
     if bitmask.device == device or bitmask.nbytes < _SIDE_STREAM_MIN_BYTES or not bitmask.is_pinned():
         return bitmask.to(device, non_blocking=True)
     stream = _COPY_STREAMS.get(device)

@@ -37,7 +37,7 @@ from pagelm.attention import (
 from pagelm.config import EngineConfig
 from pagelm.kv_cache import cdiv
 from pagelm.sample import Sampler, SamplerOutput, SamplingMetadata
-from pagelm.sample.bitmask import apply_token_bitmask
+from pagelm.sample.bitmask import apply_token_bitmask, upload_bitmask
 from pagelm.sample.sampler import LogprobsTensors
 from pagelm.sampling_params import SamplingParams
 from pagelm.sched.output import SchedulerOutput
@@ -116,7 +116,6 @@ class ModelRunner:
         # Recorded once a step's host-to-device input copies are queued: the next step waits
         # for it before it rewrites the pinned staging those copies read.
         self._inputs_uploaded = torch.cuda.Event() if device.type == "cuda" else None
-        self._bitmask_device: torch.Tensor | None = None  # guided rows for the one-kernel race
 
     def enable_speculative_decoding(self, proposer) -> None:
         """Verify drafts and ask ``proposer`` for new ones every step. Before the KV cache is
@@ -299,7 +298,7 @@ class ModelRunner:
 
             bitmask = self.structured_output.grammar_bitmask(constrained) if constrained else None
             if bitmask is not None:
-                bitmask = self._upload_bitmask(bitmask)
+                bitmask = upload_bitmask(bitmask, self.device)  # overlaps the forward pass
             sampled = SamplerOutput(exponential_race_triton(logits, noise, md.temperature, bitmask), None)
         else:
             if constrained:
@@ -311,18 +310,6 @@ class ModelRunner:
         pending.copy_to_host(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs)
         if self.spec is None:  # only the proposer reads them
             pending.inputs = pending.hidden = None
-
-    def _upload_bitmask(self, bitmask: torch.Tensor) -> torch.Tensor:
-        """``bitmask`` in a persistent device buffer, copied on the current stream: the kernel
-        reading it is queued next (the forward pass is done by now: no side stream to overlap
-        it with), and the next step's copy is queued after that kernel."""
-        n = bitmask.shape[0]
-        if self._bitmask_device is None or self._bitmask_device.shape[0] < n:
-            rows = max(n, self.max_num_reqs)
-            self._bitmask_device = torch.empty((rows, bitmask.shape[1]), dtype=bitmask.dtype, device=self.device)
-        on_device = self._bitmask_device[:n]
-        on_device.copy_(bitmask, non_blocking=True)
-        return on_device
 
     @torch.inference_mode()
     def finish(self, pending: PendingStep) -> ModelRunnerOutput:
