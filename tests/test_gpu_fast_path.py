@@ -144,3 +144,36 @@ def test_steps_make_no_host_sync_but_the_sampled_ids(make_model, eager, backend)
     with forbid_host_sync():
         outs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [20] * 6
+
+
+def test_random_rows_and_guided_rows_go_through_the_one_kernel_race(llama_dir, monkeypatch):
+    """On CUDA, random rows with nothing but a temperature are sampled by one Triton kernel
+    (``pagelm.sample.triton_race``); guided rows too, with their bitmask, sampled under async
+    scheduling once their grammars have caught up: outputs match the constraint."""
+    import re
+
+    from pagelm import GuidedDecodingParams
+    from pagelm.sample import triton_race
+
+    race = triton_race.exponential_race_triton
+    calls = {"masked": 0, "plain": 0}
+
+    def counting(logits, noise, temperature, bitmask):
+        calls["plain" if bitmask is None else "masked"] += 1
+        return race(logits, noise, temperature, bitmask)
+
+    monkeypatch.setattr(triton_race, "exponential_race_triton", counting)
+    llm = LLM(str(llama_dir), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
+    assert llm.engine.core.async_scheduling
+    regex = r"(ab|cd){3,6}x"
+    guided = SamplingParams(temperature=1.0, max_tokens=48, guided_decoding=GuidedDecodingParams(regex=regex))
+    outs = llm.generate([{"prompt_token_ids": [5 + i, 6, 7]} for i in range(8)], guided, use_tqdm=False)
+    for out in outs:
+        assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop"
+    plain = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": [5 + i, 6, 7]} for i in range(8)], plain, use_tqdm=False)
+    assert all(len(out.outputs[0].token_ids) == 16 for out in outs)
+    assert calls["masked"] > 0 and calls["plain"] > 0
+    core = llm.engine.core
+    assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks
