@@ -11,10 +11,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from pagelm import LLM, EngineConfig, GuidedDecodingParams, SamplingParams
+from pagelm import LLM, EngineConfig, GuidedDecodingParams, SamplingParams, hookimpl
+from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.structured_output.xgrammar_backend import XgrammarBackend
 from pagelm.request import Request
 from pagelm.sample.bitmask import unpack_bitmask
+from pagelm.spec_decode import Proposer
 from pagelm.structured_output import StructuredOutputManager
 
 EOS = 1  # the tiny tokenizer's <|eos|>
@@ -297,3 +299,45 @@ def test_drafts_not_validated_leave_the_rows_after_a_rejected_or_stop_token_unco
     assert rows[1, drafts[1]] == (second == "<eos>")  # after "1": EOS is allowed, "x" is not
     assert rows[2:].all()
     assert torch.equal(allowed(request.grammar), rows[0])
+
+
+class AlwaysZ(Proposer):
+    """Drafts ``z`` k times: a token the test's grammar never allows."""
+
+    name = "always_z"
+
+    def propose(self, batch):
+        return [[self.speculative.options["token"]] * int(m) for m in batch.max_num_drafts]
+
+
+@pytest.fixture()
+def always_z():
+    class P:
+        @hookimpl
+        def pagelm_register_proposers(self, registry):
+            registry.add(AlwaysZ.name, AlwaysZ)
+
+    get_plugin_manager().register(P(), name="test-always-z")
+    yield
+    get_plugin_manager().unregister(name="test-always-z")
+
+
+def test_drafts_the_grammar_always_cuts_back_the_request_off(tokenizer, llama_dir, always_z):
+    """Drafts cut to nothing before verification are misses for adaptive drafting, as
+    rejected ones are: the request stops being drafted for (and, under async scheduling,
+    stops keeping the engine synchronous)."""
+    z = tokenizer.encode("z")[0]
+    spec = {"method": "always_z", "num_speculative_tokens": 3, "token": z}
+    llm = LLM(str(llama_dir), speculative_config=spec, **ENGINE_ARGS)
+    runner = llm.engine.core.runner
+    proposals = []
+    propose = runner.spec.proposer.propose
+    runner.spec.proposer.propose = lambda batch: proposals.append(int(batch.max_num_drafts.sum())) or propose(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=100, guided_decoding=GuidedDecodingParams(regex=r"(ab|cd){10,40}x"))
+    out = llm.generate([{"prompt_token_ids": tokenizer.encode("abcd" * 3)}], params, use_tqdm=False)[0]
+    assert re.fullmatch(r"(ab|cd){10,40}x", out.outputs[0].text)
+    assert out.metrics.spec_num_draft_tokens == 0  # every draft was cut, none verified
+    steps_with_drafts = sum(1 for n in proposals if n > 0)
+    # Two misses, then probes after 2, 4, 8, ... steps: a few of the ~80 steps, not all.
+    assert 0 < steps_with_drafts <= 12, proposals
+    assert runner.spec.backoff.num_skipped > 0

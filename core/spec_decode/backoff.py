@@ -1,8 +1,9 @@
 """Adaptive drafting: a request whose drafts keep being rejected stops drafting for a while,
 with exponential backoff, so that speculation costs little where it does not pay.
 
-A *miss* is a verification step in which the request had drafts and accepted none, or a
-proposal that found no drafts for it (``observe_empty``). After
+A *miss* is a verification step in which the request had drafts and accepted none, a
+proposal that found no drafts for it, or drafts dropped before verification (a guided
+request's grammar allowed none of them; ``observe_empty``). After
 ``backoff_after`` misses in a row it gets no drafts for up to ``period`` steps, then drafts
 once (a *probe*); each further miss doubles ``period`` (2, 4, 8, ... up to
 ``max_backoff_steps``), and any accepted draft puts it back to drafting every step::

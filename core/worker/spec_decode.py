@@ -94,6 +94,9 @@ class SpecDecodeRunner:
         # new tokens of a step are copied in before proposing, never the whole history.
         self.token_table = np.zeros((max_num_reqs, max_model_len), dtype=np.int32) if proposer.uses_token_ids else None
         self._table_len = np.zeros(max_num_reqs, dtype=np.int64)
+        # Drafts handed out per row by the last proposal: none of them verified in the next
+        # step means they were dropped on the way (a grammar allowed none): a miss.
+        self._proposed = np.zeros(max_num_reqs, dtype=np.int64)
         # The request state on each block-table row: a different object (a new request, or one
         # resumed after preemption) resets the row's token table and backoff. Weak, so that a
         # finished request's token lists are not kept alive by a row nobody reuses.
@@ -226,7 +229,9 @@ class SpecDecodeRunner:
         max_drafts = np.where(sampled, self._room(states, num_tokens), 0)
         rows = self._claim_rows(states)
         if self.backoff is not None:
+            self.backoff.observe_empty(rows[(self._proposed[rows] > 0) & (num_drafts == 0) & sampled])
             max_drafts = self.backoff.cap(rows, max_drafts)
+        self._proposed[rows] = 0
         if ahead:
             assert not self.proposer.needs_every_step, f"proposer {self.proposer.name!r} ran behind a launched step"
             return [[] for _ in range(n)]
@@ -271,8 +276,9 @@ class SpecDecodeRunner:
             drafts = self.proposer.propose(batch)
         assert len(drafts) == n, f"proposer {self.proposer.name!r} returned {len(drafts)} draft lists for {n} requests"
         drafts = [list(d[: int(m)]) for d, m in zip(drafts, max_drafts)]
+        found = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=n)
+        self._proposed[rows] = found
         if self.backoff is not None:  # asked and found nothing: a miss, as a rejected draft is
-            found = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=n)
             self.backoff.observe_empty(rows[(max_drafts > 0) & (found == 0)])
         return drafts
 
@@ -311,6 +317,7 @@ class SpecDecodeRunner:
             if owner is None or owner() is not s:
                 self._row_owner[row] = weakref.ref(s)
                 self._table_len[row] = 0
+                self._proposed[row] = 0
                 if self.backoff is not None:
                     self.backoff.reset(row)
         return rows
