@@ -177,3 +177,23 @@ def test_random_rows_and_guided_rows_go_through_the_one_kernel_race(llama_dir, m
     assert calls["masked"] > 0 and calls["plain"] > 0
     core = llm.engine.core
     assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks
+
+
+def test_guided_requests_verify_ngram_drafts_on_cuda_with_the_same_tokens(llama_dir):
+    """Guided requests with n-gram drafts on CUDA (verification graphs, the bitmask applied
+    to the draft rows): greedy tokens equal to the same guided requests without drafts."""
+    import re
+
+    from pagelm import GuidedDecodingParams
+
+    regex = r"(ab|ba){2,12}c"
+    params = SamplingParams(temperature=0.0, max_tokens=64, guided_decoding=GuidedDecodingParams(regex=regex))
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7] * 4} for i in range(6)]
+    args = dict(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
+    want = [o.outputs[0].token_ids for o in LLM(str(llama_dir), **args).generate(prompts, params, use_tqdm=False)]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = LLM(str(llama_dir), speculative_config=ngram, **args)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert all(re.fullmatch(regex, o.outputs[0].text) for o in outs)
+    assert sum(o.metrics.spec_num_accepted_tokens for o in outs) > 0
