@@ -54,11 +54,12 @@ class ProposalBatch:
     token_ids: np.ndarray | None
     num_tokens: np.ndarray
     # The target's forward pass: flattened inputs [T], their positions [T], its last hidden
-    # states [T, hidden] (after the final norm), and the step's attention layout.
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    hidden_states: torch.Tensor
-    common: CommonAttentionMetadata
+    # states [T, hidden] (after the final norm), and the step's attention layout (None for a
+    # proposer that sets ``uses_target_pass = False``).
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor | None
+    hidden_states: torch.Tensor | None
+    common: CommonAttentionMetadata | None
     # [n] flat index (into the T tokens) of each request's last verified position, its
     # position in the sequence, and the token that follows it (all known to the host).
     last_token_index: np.ndarray
@@ -136,6 +137,10 @@ class Proposer(ABC):
     # it False: such steps skip it, and may run ahead under async scheduling, which the
     # engine then keeps on whenever nobody may draft in the next step.
     needs_every_step: ClassVar[bool] = True
+    # Whether ``propose`` reads the target's forward pass (``input_ids``, ``positions``,
+    # ``hidden_states``, ``common``: a draft model does). False leaves them None and saves
+    # building them on the device every step.
+    uses_target_pass: ClassVar[bool] = True
 
     def __init__(self, config: "EngineConfig", target: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         self.config = config

@@ -246,7 +246,9 @@ class SpecDecodeRunner:
         )
 
         input_ids, positions, common = step.input_ids, step.positions, step.common
-        if input_ids is None:  # a CUDA graph replay: its inputs live in the graph's staging
+        if not self.proposer.uses_target_pass:  # n-gram: the history is all it reads
+            input_ids = positions = common = hidden = None
+        elif input_ids is None:  # a CUDA graph replay: its inputs live in the graph's staging
             positions_np = starts_np
             input_ids = torch.tensor([s.token_ids[c] for s, c in zip(states, starts)]).to(runner.device)
             positions = torch.from_numpy(positions_np).to(runner.device)

@@ -24,6 +24,7 @@ PAGELM_PLUGIN_API = "1.1"
 class NgramProposer(Proposer):
     name = "ngram"
     needs_every_step = False  # nothing to keep between steps: the history is the state
+    uses_target_pass = False
 
     def __init__(self, config, target, device, dtype) -> None:
         super().__init__(config, target, device, dtype)
