@@ -2,6 +2,7 @@
 latest occurrence, proposes what followed it; a short continuation repeats with its period."""
 
 import numpy as np
+import pytest
 
 from pagelm.plugins.spec_decode.ngram import ngram_drafts
 
@@ -58,3 +59,35 @@ def test_requests_with_no_draft_budget_are_not_looked_up(monkeypatch):
     )
     assert proposer.propose(batch) == [[1, 2], [], [3, 4]]
     assert looked_up == [[[7, 1, 2, 7], [4, 3, 4, 0]]]
+
+
+def brute_force_lookup(history: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The definition, one request at a time: the longest suffix (``max_n`` down to
+    ``min_n``) found earlier, its latest occurrence, the ``k`` tokens after it (repeated with
+    the match's period when they run into the end)."""
+    L = len(history)
+    for n in range(max_n, min_n - 1, -1):
+        if L < n + 1:
+            continue
+        suffix = history[L - n :]
+        for end in range(L - 2, n - 2, -1):  # the match ends before the last token
+            if history[end - n + 1 : end + 1] == suffix:
+                period = L - 1 - end
+                return [history[end + 1 + i % period] for i in range(k)]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_batched_lookup_matches_the_definition_on_random_histories(seed):
+    gen = np.random.default_rng(seed)
+    B, W, k = 16, 120, 4
+    lengths = gen.integers(1, W + 1, size=B)
+    tokens = np.zeros((B, W), dtype=np.int32)
+    for b in range(B):
+        vocab = int(gen.integers(2, 6))  # few symbols: many matches of every length
+        tokens[b, : lengths[b]] = gen.integers(0, vocab, size=lengths[b])
+    for min_n, max_n in [(1, 1), (1, 4), (2, 5), (3, 3)]:
+        drafts, num = ngram_drafts(tokens, lengths, min_n, max_n, k)
+        for b in range(B):
+            want = brute_force_lookup(tokens[b, : lengths[b]].tolist(), min_n, max_n, k)
+            assert drafts[b, : num[b]].tolist() == want, (b, min_n, max_n)

@@ -229,7 +229,9 @@ class SpecDecodeRunner:
         max_drafts = np.where(sampled, self._room(states, num_tokens), 0)
         rows = self._claim_rows(states)
         if self.backoff is not None:
-            self.backoff.observe_empty(rows[(self._proposed[rows] > 0) & (num_drafts == 0) & sampled])
+            dropped = (self._proposed[rows] > 0) & (num_drafts == 0) & sampled
+            if dropped.any():
+                self.backoff.observe_empty(rows[dropped])
             max_drafts = self.backoff.cap(rows, max_drafts)
         self._proposed[rows] = 0
         if ahead:
@@ -281,7 +283,9 @@ class SpecDecodeRunner:
         found = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=n)
         self._proposed[rows] = found
         if self.backoff is not None:  # asked and found nothing: a miss, as a rejected draft is
-            self.backoff.observe_empty(rows[(max_drafts > 0) & (found == 0)])
+            empty = (max_drafts > 0) & (found == 0)
+            if empty.any():
+                self.backoff.observe_empty(rows[empty])
         return drafts
 
     def may_draft(self, states) -> bool:

@@ -65,30 +65,33 @@ def ngram_drafts(
     """Batched prompt lookup over ``tokens`` [B, W] (row ``b`` valid up to ``lengths[b]``).
 
     Returns ``(drafts [B, k], num_drafts [B])``: 0 drafts where no suffix of length
-    ``>= min_n`` occurs earlier. One pass per suffix length over the whole batch: ``ends[b, j]``
-    says the tokens ending at ``j`` equal the request's last ``n`` tokens; it narrows as ``n``
-    grows, and the longest ``n`` with a match wins, at its latest occurrence.
+    ``>= min_n`` occurs earlier. The candidates are the positions ``(b, j)`` holding the
+    request's last token (found in one pass over the batch); each longer suffix keeps those
+    whose preceding token matches too, so the work after that pass is proportional to the
+    candidates, not to the history. The longest ``n`` with a match wins, at its latest
+    occurrence.
     """
     B, W = tokens.shape
     lengths = lengths.astype(np.int64)
     rows = np.arange(B)
-    j = np.arange(W)
+    last = tokens[rows, np.maximum(lengths - 1, 0)]
+    r, j = np.nonzero(tokens == last[:, None])
     # A match must end before the last token (something has to follow it).
-    ends = j[None, :] < (lengths - 1)[:, None]
+    keep = j < lengths[r] - 1
+    r, j = r[keep], j[keep]
     best_end = np.full(B, -1, dtype=np.int64)
     for n in range(1, max_n + 1):
-        if n > 1:
-            ends[:, : n - 1] = False
-            ends[:, n - 1 :] &= tokens[:, : W - n + 1] == tokens[rows, np.maximum(lengths - n, 0)][:, None]
-        else:
-            ends &= tokens == tokens[rows, np.maximum(lengths - 1, 0)][:, None]
-        ends &= (lengths >= n + 1)[:, None]
-        if not ends.any():
+        if n > 1:  # the suffix's n-th token from the end must match the one before j too
+            keep = (j >= n - 1) & (lengths[r] >= n + 1)
+            r, j = r[keep], j[keep]
+            keep = tokens[r, j - n + 1] == tokens[r, lengths[r] - n]
+            r, j = r[keep], j[keep]
+        if r.size == 0:
             break
         if n >= min_n:
-            found = ends.any(axis=1)
-            latest = W - 1 - np.argmax(ends[:, ::-1], axis=1)
-            best_end = np.where(found, latest, best_end)
+            latest = np.full(B, -1, dtype=np.int64)
+            np.maximum.at(latest, r, j)
+            best_end = np.where(latest >= 0, latest, best_end)
     found = best_end >= 0
     period = np.where(found, lengths - 1 - best_end, 1)  # tokens between the match and the end
     index = best_end[:, None] + 1 + np.arange(k)[None, :] % period[:, None]
