@@ -158,6 +158,9 @@ class SpecDecodeRunner:
         step = self._graph_step(runner, states, starts, counts, drafts)
         if step is None:
             step = runner._prepare_inputs(states, starts, counts, drafts=drafts)
+        graph_out = None
+        if isinstance(step, VerifyGraphStep):  # launched first: the host work below overlaps it
+            graph_out = self.graphs.replay(step.graph_size)
         num_drafts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
         counts_np = np.asarray(counts, dtype=np.int64)
         rows_per_req = num_drafts + 1
@@ -175,8 +178,8 @@ class SpecDecodeRunner:
         ]
         md = build_sampling_metadata(rows, runner.eos_token_ids, runner.vocab_size, runner.device)
         index = torch.from_numpy(logits_indices).to(runner.device, non_blocking=True)
-        if isinstance(step, VerifyGraphStep):
-            hidden, logits = self.graphs.replay(step.graph_size)
+        if graph_out is not None:
+            hidden, logits = graph_out
             hidden, logits = hidden[: step.num_tokens], logits[index]
         else:
             logits, hidden = runner._logits(step, return_hidden=True, logits_indices=index)
