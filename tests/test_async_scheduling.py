@@ -25,6 +25,7 @@ from pagelm.request import Request, RequestStatus
 from pagelm.sched.scheduler import Scheduler
 from pagelm.spec_decode import Proposer
 from pagelm.worker.output import ModelRunnerOutput
+from pagelm.testing.speculative import count_launches, registered_proposer
 
 
 def prompts_for(vocab_size, n=10, seed=3):
@@ -219,14 +220,8 @@ class EveryStep(Proposer):
 
 @pytest.fixture()
 def every_step():
-    class P:
-        @hookimpl
-        def pagelm_register_proposers(self, registry):
-            registry.add(EveryStep.name, EveryStep)
-
-    get_plugin_manager().register(P(), name="test-every-step")
-    yield
-    get_plugin_manager().unregister(name="test-every-step")
+    with registered_proposer(EveryStep):
+        yield
 
 
 def test_async_scheduling_by_default_follows_cuda_graphs_and_the_proposer(llama_dir, every_step):
@@ -266,15 +261,7 @@ def speculative_run(model_dir, prompts, params, async_scheduling, reject_all=Fal
     core = llm.engine.core
     if reject_all:
         reject_all_drafts(llm, core.vocab_size)
-    counts = {"ahead": 0, "verify": 0, "preemptions": 0}
-    launch = core.runner.launch
-
-    def spy(sched, **kwargs):
-        counts["ahead"] += core.runner._in_flight is not None
-        counts["verify"] += bool(sched.scheduled_spec_decode_tokens)
-        return launch(sched, **kwargs)
-
-    core.runner.launch = spy
+    counts = count_launches(core)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks, "KV blocks leaked"
     counts["preemptions"] = core.scheduler.num_preemptions

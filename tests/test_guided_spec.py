@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from pagelm import LLM, EngineConfig, GuidedDecodingParams, SamplingParams, hookimpl
-from pagelm.plugin_manager import get_plugin_manager
+from pagelm import LLM, EngineConfig, GuidedDecodingParams, SamplingParams
 from pagelm.plugins.structured_output.xgrammar_backend import XgrammarBackend
 from pagelm.request import Request
 from pagelm.sample.bitmask import unpack_bitmask
 from pagelm.spec_decode import Proposer
 from pagelm.structured_output import StructuredOutputManager
+from pagelm.testing.speculative import count_launches, registered_proposer
 
 EOS = 1  # the tiny tokenizer's <|eos|>
 VOCAB = 520  # the tiny model's (wider than its tokenizer's 512)
@@ -136,15 +136,7 @@ def test_guided_drafts_under_async_scheduling_give_the_same_tokens(tokenizer, ll
     ]
     llm = LLM(str(llama_dir), speculative_config={**NGRAM, "max_backoff_steps": 8}, async_scheduling=True, **ENGINE_ARGS)
     core = llm.engine.core
-    counts = {"ahead": 0, "verify": 0}
-    launch = core.runner.launch
-
-    def spy(sched, **kwargs):
-        counts["ahead"] += core.runner._in_flight is not None
-        counts["verify"] += bool(sched.scheduled_spec_decode_tokens)
-        return launch(sched, **kwargs)
-
-    core.runner.launch = spy
+    counts = count_launches(core)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert token_ids(got) == token_ids(plain.generate(prompts, params, use_tqdm=False))
     assert counts["ahead"] > 0 and counts["verify"] > 0
@@ -312,14 +304,8 @@ class AlwaysZ(Proposer):
 
 @pytest.fixture()
 def always_z():
-    class P:
-        @hookimpl
-        def pagelm_register_proposers(self, registry):
-            registry.add(AlwaysZ.name, AlwaysZ)
-
-    get_plugin_manager().register(P(), name="test-always-z")
-    yield
-    get_plugin_manager().unregister(name="test-always-z")
+    with registered_proposer(AlwaysZ):
+        yield
 
 
 def test_drafts_the_grammar_always_cuts_back_the_request_off(tokenizer, llama_dir, always_z):

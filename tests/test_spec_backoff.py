@@ -5,11 +5,11 @@ change; the knobs are checked at start-up."""
 import numpy as np
 import pytest
 
-from pagelm import LLM, SamplingParams, hookimpl
+from pagelm import LLM, SamplingParams
 from pagelm.bench.latency import reject_all_drafts
-from pagelm.plugin_manager import get_plugin_manager
 from pagelm.spec_decode import Proposer, SpeculativeConfig
 from pagelm.spec_decode.backoff import DraftBackoff
+from pagelm.testing.speculative import registered_proposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 REPETITIVE = [{"prompt_token_ids": [40 + i, 41, 42, 43, 44] * 8} for i in range(4)]
@@ -101,14 +101,8 @@ class NeverRight(Proposer):
 
 @pytest.fixture()
 def never_right():
-    class P:
-        @hookimpl
-        def pagelm_register_proposers(self, registry):
-            registry.add(NeverRight.name, NeverRight)
-
-    get_plugin_manager().register(P(), name="test-never-right")
-    yield
-    get_plugin_manager().unregister("test-never-right")
+    with registered_proposer(NeverRight):
+        yield
 
 
 def generate(model_dir, prompts, params=LONG, **kw):
