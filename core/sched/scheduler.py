@@ -318,7 +318,7 @@ class Scheduler:
             if new_ids:
                 new_ids = self._append_output_tokens(req, new_ids)
                 if req.grammar is not None:
-                    self._advance_grammar(req, new_ids)
+                    self._finish_by_grammar(req, new_ids)
             if runner_out.draft_token_ids and not req.is_finished:
                 req.spec_token_ids = self._room_for_drafts(req, runner_out.draft_token_ids[i])
             if not new_ids and prompt_lps is None:
@@ -400,7 +400,7 @@ class Scheduler:
                 self.structured_output.accept_tokens(req, new_ids)
         self.structured_output.prepare_bitmask()
 
-    def _advance_grammar(self, req: Request, new_ids: list[int]) -> None:
+    def _finish_by_grammar(self, req: Request, new_ids: list[int]) -> None:
         """The grammar's verdict on the sampled tokens (``_advance_grammars`` handed them over).
         A grammar allows EOS only where it is complete: sampling EOS ends the request."""
         if req.error is not None:  # its grammar rejected the previous tokens

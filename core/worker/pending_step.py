@@ -48,8 +48,7 @@ class PendingStep:
     prompt_logprobs_host: dict[str, LogprobsTensors] = field(default_factory=dict)
     copied: torch.cuda.Event | None = None
     # The step's inputs, kept until it is sampled, and for the speculative proposer, which
-    # runs once the samples are known (engines with speculative decoding never leave a step
-    # in flight).
+    # runs once the samples are known (``ModelRunner.finish``).
     inputs: "StepInputs | None" = None
     hidden: torch.Tensor | None = None
     starts: list[int] = field(default_factory=list)
