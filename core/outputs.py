@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagelm.spec_decode.stats import acceptance_rate, mean_acceptance_length
+
 
 @dataclass
 class Logprob:
@@ -53,12 +55,12 @@ class RequestMetrics:
     @property
     def spec_mean_acceptance_length(self) -> float | None:
         """Tokens per verification round: 1 + accepted / rounds (None without drafts)."""
-        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
+        return mean_acceptance_length(self.spec_num_drafts, self.spec_num_accepted_tokens)
 
     @property
     def spec_acceptance_rate(self) -> float | None:
         """Accepted / drafted tokens (None without drafts)."""
-        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
+        return acceptance_rate(self.spec_num_draft_tokens, self.spec_num_accepted_tokens)
 
 
 @dataclass

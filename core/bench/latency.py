@@ -47,6 +47,7 @@ from pagelm.bench.presets import DEMO, PRESETS, resolve_bench_model
 from pagelm.bench.roofline import DecodeCost, decode_avg_context, device_name, measure_copy_bandwidth
 from pagelm.bench.workload import TokenWorkload
 from pagelm.cli.engine_args import add_engine_args, engine_kwargs
+from pagelm.spec_decode.stats import acceptance_rate, mean_acceptance_length
 
 WORKLOADS = ("random", "repeat", "code")
 
@@ -147,8 +148,7 @@ class SpecCounts:
         drafted = sum(o.metrics.spec_num_draft_tokens for o in outputs)
         accepted = sum(o.metrics.spec_num_accepted_tokens for o in outputs)
         return cls(
-            drafts, drafted, accepted,
-            1.0 + accepted / drafts if drafts else None, accepted / drafted if drafted else None,
+            drafts, drafted, accepted, mean_acceptance_length(drafts, accepted), acceptance_rate(drafted, accepted)
         )
 
 

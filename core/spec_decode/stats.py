@@ -8,6 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def mean_acceptance_length(num_drafts: int, num_accepted_tokens: int) -> float | None:
+    """Tokens per verification: ``1 + accepted / drafts`` (None without drafts)."""
+    return 1.0 + num_accepted_tokens / num_drafts if num_drafts else None
+
+
+def acceptance_rate(num_draft_tokens: int, num_accepted_tokens: int) -> float | None:
+    """Accepted / drafted tokens (None without drafts)."""
+    return num_accepted_tokens / num_draft_tokens if num_draft_tokens else None
+
+
 @dataclass
 class SpecDecodingStats:
     num_drafts: int = 0
@@ -29,8 +39,8 @@ class SpecDecodingStats:
 
     @property
     def mean_acceptance_length(self) -> float | None:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+        return mean_acceptance_length(self.num_drafts, self.num_accepted_tokens)
 
     @property
     def acceptance_rate(self) -> float | None:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+        return acceptance_rate(self.num_draft_tokens, self.num_accepted_tokens)
