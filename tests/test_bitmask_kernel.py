@@ -2,16 +2,13 @@
 reference masks: selected rows only, padded vocab columns never allowed, any float dtype.
 Without CUDA it runs under Triton's CPU interpreter, set up for this module only."""
 
-import importlib
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from pagelm.sample.bitmask import apply_token_bitmask_torch  # noqa: E402
-from pagelm.testing.triton_interpreter import interpret_triton  # noqa: E402
+from pagelm.testing.triton_interpreter import interpreted_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -19,16 +16,8 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 @pytest.fixture(scope="module")
 def kernel():
-    if ON_GPU:
-        yield importlib.import_module("pagelm.sample.triton_bitmask").apply_token_bitmask_triton
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        interpret_triton(mp)
-        mp.delitem(sys.modules, "pagelm.sample.triton_bitmask", raising=False)
-        module = importlib.import_module("pagelm.sample.triton_bitmask")
-        assert module.INTERPRETED
+    with interpreted_kernels("pagelm.sample.triton_bitmask", fresh=True) as (module,):
         yield module.apply_token_bitmask_triton
-    sys.modules.pop("pagelm.sample.triton_bitmask", None)  # never leave an interpreted build behind
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -22,7 +22,7 @@ from pagelm import ops  # noqa: E402
 from pagelm.attention import AttentionImpl, ForwardContext, attention_layers, forward_context  # noqa: E402
 from pagelm.models import Qwen3ForCausalLM  # noqa: E402
 from pagelm.ops import reference  # noqa: E402
-from pagelm.testing.triton_interpreter import interpret_triton  # noqa: E402
+from pagelm.testing.triton_interpreter import interpreted_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -33,14 +33,7 @@ KERNEL_MODULES = ("triton_rms_norm", "triton_rotary", "triton_activation", "trit
 @pytest.fixture(scope="module", autouse=True)
 def triton_interpreter():
     """On CPU: TRITON_INTERPRET=1 while this module runs, with the kernels decorated under it."""
-    if ON_GPU:
-        yield
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        interpret_triton(mp)
-        for name in KERNEL_MODULES:
-            module = importlib.import_module(f"pagelm.ops.{name}")
-            assert module.INTERPRETED, f"pagelm.ops.{name} was imported before TRITON_INTERPRET was set"
+    with interpreted_kernels(*(f"pagelm.ops.{name}" for name in KERNEL_MODULES)):
         yield
 
 

@@ -2,9 +2,6 @@
 interpreter: the token the torch sampler's race picks for the same noise, and samples from
 exactly the masked, temperature-scaled softmax."""
 
-import importlib
-import sys
-
 import pytest
 import torch
 
@@ -12,23 +9,20 @@ pytest.importorskip("triton")
 
 from pagelm.sample.bitmask import unpack_bitmask  # noqa: E402
 from pagelm.sample.sampler import draw_race_noise  # noqa: E402
-from pagelm.testing.triton_interpreter import interpret_triton  # noqa: E402
+from pagelm.testing.triton_interpreter import interpreted_kernels  # noqa: E402
 
 MODULE = "pagelm.sample.triton_race"
 
 
 @pytest.fixture(scope="module")
 def race():
-    """The kernel, compiled on a GPU, else interpreted on the CPU (tensors stay on the CPU)."""
-    if torch.cuda.is_available():
-        kernel = importlib.import_module(MODULE).exponential_race_triton
-        yield lambda *args: kernel(*(a.cuda() if a is not None else None for a in args)).cpu()
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        interpret_triton(mp)
-        mp.delitem(sys.modules, MODULE, raising=False)
-        yield importlib.import_module(MODULE).exponential_race_triton
-    sys.modules.pop(MODULE, None)  # never leave an interpreted build behind
+    """The kernel, compiled on a GPU (tensors moved there and back), else interpreted."""
+    with interpreted_kernels(MODULE, fresh=True) as (module,):
+        kernel = module.exponential_race_triton
+        if torch.cuda.is_available():
+            yield lambda *args: kernel(*(a.cuda() if a is not None else None for a in args)).cpu()
+        else:
+            yield kernel
 
 
 def random_bitmask(n, vocab, gen, density=0.3):

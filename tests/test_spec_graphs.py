@@ -9,7 +9,6 @@ test replays real graphs.
 """
 
 import gc
-import importlib
 
 import numpy as np
 import pytest
@@ -126,16 +125,9 @@ def test_a_step_with_a_prefill_chunk_is_not_a_graph_step(llama_dir):
 def triton_on_cpu():
     """On CPU: the triton backend under Triton's interpreter (graph-safe, unlike torch)."""
     pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        yield
-        return
-    from pagelm.testing.triton_interpreter import interpret_triton
+    from pagelm.testing.triton_interpreter import interpreted_kernels
 
-    with pytest.MonkeyPatch.context() as mp:
-        interpret_triton(mp)
-        kernels = importlib.import_module("pagelm.backends.triton.paged_attention")
-        importlib.import_module("pagelm.backends.triton.kv_store")
-        assert kernels.INTERPRETED, "the kernels were imported before TRITON_INTERPRET was set"
+    with interpreted_kernels("pagelm.backends.triton.paged_attention", "pagelm.backends.triton.kv_store"):
         yield
 
 

@@ -7,7 +7,6 @@ when a kernel is decorated, so it is set (for this module only) before the kerne
 first imported; shapes stay small because the interpreter is slow.
 """
 
-import importlib
 import math
 import os
 import subprocess
@@ -22,7 +21,7 @@ pytest.importorskip("triton")
 from pagelm import LLM, SamplingParams  # noqa: E402
 from pagelm.attention import AttentionSpec  # noqa: E402
 from pagelm.testing.conformance import paged_metadata  # noqa: E402
-from pagelm.testing.triton_interpreter import interpret_triton  # noqa: E402
+from pagelm.testing.triton_interpreter import interpreted_kernels  # noqa: E402
 from pagelm.backends.torch import TorchAttentionBackend  # noqa: E402
 from pagelm.backends.triton import TritonAttentionBackend  # noqa: E402
 from pagelm.backends.triton.backend import TritonMetadataBuilder  # noqa: E402
@@ -33,14 +32,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 @pytest.fixture(scope="module", autouse=True)
 def triton_interpreter():
     """On CPU: TRITON_INTERPRET=1 while this module runs, with the kernels decorated under it."""
-    if DEVICE.type == "cuda":
-        yield
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        interpret_triton(mp)
-        kernels = importlib.import_module("pagelm.backends.triton.paged_attention")
-        importlib.import_module("pagelm.backends.triton.kv_store")
-        assert kernels.INTERPRETED, "the kernels were imported before TRITON_INTERPRET was set"
+    with interpreted_kernels("pagelm.backends.triton.paged_attention", "pagelm.backends.triton.kv_store"):
         yield
 
 

@@ -51,6 +51,10 @@ def _race_kernel(logits_ptr, logits_stride, noise_ptr, noise_stride, temperature
     tl.store(index_ptr + row * num_blocks + block, tl.minimum(first, vocab_size - 1).to(tl.int64))
 
 
+# Built for the CPU interpreter (TRITON_INTERPRET=1 when this module was imported): tests.
+INTERPRETED = not isinstance(_race_kernel, triton.runtime.JITFunction)
+
+
 def exponential_race_triton(
     logits: torch.Tensor, noise: torch.Tensor, temperature: torch.Tensor, bitmask: torch.Tensor | None
 ) -> torch.Tensor:
