@@ -430,6 +430,21 @@ def test_missing_xgrammar_is_a_clear_error_for_guided_requests_only(monkeypatch)
     assert problems == ["xgrammar is not installed (pip install 'pagelm[xgrammar]')"]
 
 
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"fill_threads": 0}, "plugin_config.xgrammar.fill_threads must be >= 1, got 0"),
+        ({"compile_threads": -2}, "plugin_config.xgrammar.compile_threads must be >= 1, got -2"),
+        ({"fill_threads": "4"}, "plugin_config.xgrammar.fill_threads must be a int, got '4'"),
+    ],
+)
+def test_xgrammar_thread_settings_are_checked(settings, message):
+    from pagelm import EngineConfig
+    from pagelm.plugins.structured_output.xgrammar_backend import XgrammarBackend
+
+    assert XgrammarBackend.validate(EngineConfig(model="m", plugin_config={"xgrammar": settings})) == [message]
+
+
 # ---- the xgrammar backend's pieces -------------------------------------------------------------
 
 

@@ -93,7 +93,9 @@ class XgrammarBackend(StructuredOutputBackend):
         self.compiler = xgr.GrammarCompiler(
             info, max_threads=settings.get("compile_threads", 8), cache_enabled=False
         )
-        fill_threads = settings.get("fill_threads") or max(1, min(_DEFAULT_FILL_THREADS, (os.cpu_count() or 2) // 2))
+        fill_threads = settings.get("fill_threads")
+        if fill_threads is None:
+            fill_threads = max(1, min(_DEFAULT_FILL_THREADS, (os.cpu_count() or 2) // 2))
         self.batch_matcher = xgr.BatchGrammarMatcher(max_threads=fill_threads)
 
     @classmethod
@@ -108,6 +110,8 @@ class XgrammarBackend(StructuredOutputBackend):
                 problems.append(f"plugin_config.xgrammar: unknown setting {key!r}; known: {sorted(_SETTINGS)}")
             elif value is not None and type(value) is not kind:
                 problems.append(f"plugin_config.xgrammar.{key} must be a {kind.__name__}, got {value!r}")
+            elif key in ("compile_threads", "fill_threads") and value is not None and value < 1:
+                problems.append(f"plugin_config.xgrammar.{key} must be >= 1, got {value!r}")
         return problems
 
     @classmethod
