@@ -105,6 +105,10 @@ class EngineCore:
         # req_id -> when it was first scheduled, until its first output carries it out.
         self._first_scheduled: dict[str, float] = {}
         self.async_scheduling = self._use_async_scheduling(use_cuda_graphs, proposer_cls)
+        grammar_process = config.structured_output_process
+        if grammar_process is None:
+            grammar_process = self.device.type == "cuda" and self.async_scheduling
+        self.structured_output.use_grammar_process = grammar_process
         # Async scheduling: the step launched and not finished yet (possibly not yet sampled:
         # a guided step's sampling waits for its grammars, ``PendingStep.awaits_sampling``).
         self._in_flight: PendingStep | None = None

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagelm.structured_output.backend import CompiledGrammar, StructuredOutputBackend, StructuredOutputGrammar
-from pagelm.structured_output.manager import GrammarCache, StructuredOutputManager
+from pagelm.structured_output.cache import GrammarCache
+from pagelm.structured_output.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
     from pagelm.config import EngineConfig

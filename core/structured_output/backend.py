@@ -139,3 +139,17 @@ class StructuredOutputBackend(ABC):
 
     def shutdown(self) -> None:
         """Release threads or other resources."""
+
+
+def build_backend(
+    backend_cls: type[StructuredOutputBackend], config: "EngineConfig", vocab_size: int, eos_token_ids: frozenset[int]
+) -> StructuredOutputBackend:
+    """A backend instance with the model's tokenizer (the engine core and the grammar process
+    each build one)."""
+    problems = backend_cls.validate(config)
+    if problems:
+        raise ValueError(f"structured_output_backend={backend_cls.name!r}: " + "; ".join(problems))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+    return backend_cls(config, tokenizer, vocab_size, eos_token_ids)

@@ -36,6 +36,15 @@ so the grammar is back where it was, and only the tokens the rejection sampler e
 applied to it (``accept_tokens``). Steps that verify drafts run synchronously: the grammars
 are at their request's last token when the rows are filled.
 
+With a grammar process (``structured_output_process``, the default on CUDA with async
+scheduling), the job goes to a child process instead of the worker thread: it mirrors each
+request's grammar (compiling its own copy as the request arrives) and fills the rows in memory
+both processes map, so the step loop never waits for the GIL on grammar work (on the H100 host
+that wait made a batch-64 step 15-23% slower). This side's grammars then fall behind and are
+caught up (``_catch_up``) only where this side works on them itself: rows the process left
+(a request that arrived before it was ready, a grammar it is still compiling, a preemption's
+new order), drafts, or every request once the process is gone (see ``grammar_process``).
+
 Compiled grammars are cached by (kind, canonical spec), bounded by their total
 ``memory_size_bytes``, least recently used evicted first. Requests asking for a constraint
 that is already compiling wait on the same compile. A compile that outlives
@@ -51,7 +60,6 @@ import logging
 import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -59,16 +67,21 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagelm.kv_cache import cdiv
-from pagelm.structured_output.backend import CompiledGrammar, StructuredOutputBackend, StructuredOutputGrammar
+from pagelm.structured_output.backend import (
+    CompiledGrammar,
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+    build_backend,
+)
+from pagelm.structured_output.cache import GrammarCache, GrammarKey
 
 if TYPE_CHECKING:
     from pagelm.config import EngineConfig
     from pagelm.request import Request
     from pagelm.sampling_params import GuidedDecodingParams
+    from pagelm.structured_output.grammar_process import GrammarProcess
 
 logger = logging.getLogger("pagelm")
-
-GrammarKey = tuple[str, str]  # (kind, canonical spec)
 
 _COMPILE_WORKERS = 2
 # Fewer guided requests than this advance in grammar_bitmask, after the forward pass is queued:
@@ -79,38 +92,6 @@ _THREADED_MIN_REQUESTS = 8
 # switch interval (5 ms, longer than a decode step) it would get it only when the main thread
 # blocks. The job's start does not wait on it: ``prepare_bitmask`` blocks until the job runs.
 _SWITCH_INTERVAL_S = 5e-5
-
-
-class GrammarCache:
-    """Compiled grammars, least recently used first, holding at most ``max_bytes`` in total
-    (a grammar larger than that on its own is not kept)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self._entries: OrderedDict[GrammarKey, CompiledGrammar] = OrderedDict()
-
-    def get(self, key: GrammarKey) -> CompiledGrammar | None:
-        compiled = self._entries.get(key)
-        if compiled is not None:
-            self._entries.move_to_end(key)
-        return compiled
-
-    def put(self, key: GrammarKey, compiled: CompiledGrammar) -> None:
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return
-        self._entries[key] = compiled
-        self.nbytes += compiled.memory_size_bytes
-        while self.nbytes > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.nbytes -= evicted.memory_size_bytes
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 @dataclass(slots=True)
@@ -130,6 +111,7 @@ class StructuredOutputManager:
         eos_token_ids: frozenset[int],
         *,
         pin_memory: bool = False,
+        grammar_process: bool = False,
     ) -> None:
         self.config = config
         self.backend_cls = backend_cls
@@ -155,6 +137,15 @@ class StructuredOutputManager:
         self._staged: torch.Tensor | None = None
         self._ordered: torch.Tensor | None = None  # the step's order, when staged rows are not
         self._drafted: torch.Tensor | None = None  # rows of a step verifying drafts (1 + d each)
+        # The grammar process (grammar_process=True), started with the first guided request:
+        # the slots of the requests it mirrors, and the tokens it applied that this side's
+        # grammars have not yet (``_catch_up`` applies them where this side needs its own).
+        self.use_grammar_process = grammar_process
+        self._process: GrammarProcess | None = None
+        self._slots: dict[str, int] = {}
+        self._next_slot = itertools.count()
+        self._lag: dict[str, list[int]] = {}
+        self.rows_filled_by_process = 0  # a count, for tests and benchmarks
 
     # ---- the scheduler's side ------------------------------------------------------------
     def submit(self, request: "Request") -> bool:
@@ -163,6 +154,9 @@ class StructuredOutputManager:
         params = request.sampling_params.guided_decoding
         assert params is not None, f"{request.request_id} has no guided_decoding"
         self.requests[request.request_id] = request
+        if self.use_grammar_process and self._grammar_process().ready:
+            slot = self._slots[request.request_id] = next(self._next_slot)
+            self._process.add(slot, params)  # compiles there alongside the compile here
         key = (params.kind, params.spec)
         compiled = self.cache.get(key)
         if compiled is not None:
@@ -247,6 +241,9 @@ class StructuredOutputManager:
         if not self.eos_token_ids.isdisjoint(drafts):
             drafts = list(itertools.takewhile(lambda token: token not in self.eos_token_ids, drafts))
         self._finish_job()  # a job in flight may hold this grammar
+        self._catch_up(request)
+        if request.error is not None:
+            return []
         pending = self._unapplied.get(request.request_id, [])
         n = request.grammar.validate_tokens([*pending, *drafts]) - len(pending)
         return drafts[: max(n, 0)]
@@ -254,6 +251,10 @@ class StructuredOutputManager:
     def release(self, request: "Request") -> None:
         """``request`` left the engine (finished, aborted, or failed)."""
         self._unapplied.pop(request.request_id, None)
+        self._lag.pop(request.request_id, None)
+        slot = self._slots.pop(request.request_id, None)
+        if slot is not None:
+            self._process.release(slot)
         if self.requests.pop(request.request_id, None) is None:
             return
         params = request.sampling_params.guided_decoding
@@ -264,12 +265,15 @@ class StructuredOutputManager:
     # ---- the step loop's side ------------------------------------------------------------
     def prepare_bitmask(self) -> None:
         """Start advancing each grammar by the tokens accepted this step and filling its row of
-        the next step's bitmask, on a worker thread; ``grammar_bitmask`` picks the rows up.
+        the next step's bitmask, in the grammar process or on a worker thread;
+        ``grammar_bitmask`` picks the rows up.
         The step loop calls it once the step's tokens are known. Until then the worker owns
         those requests' grammars. A few requests are left to ``grammar_bitmask``: their work
         costs less than the hand-off."""
         self._finish_job()
-        if len(self._unapplied) >= _THREADED_MIN_REQUESTS:
+        if self._process is not None and self._unapplied and self._process.ready:
+            self._job = self._process_step()
+        elif len(self._unapplied) >= _THREADED_MIN_REQUESTS:
             if self._bitmask_worker is None:
                 self._bitmask_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagelm-bitmask")
                 sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL_S))
@@ -326,8 +330,7 @@ class StructuredOutputManager:
             bitmask[gone] = -1
             missing = [i for i in missing if request_ids[i] in self.requests]
         if missing:
-            grammars = [self.requests[request_ids[i]].grammar for i in missing]
-            self._get_backend().fill_bitmasks(grammars, bitmask, rows=missing)
+            self._fill_here([self.requests[request_ids[i]] for i in missing], bitmask, missing)
         return bitmask
 
     def _with_draft_rows(
@@ -344,6 +347,7 @@ class StructuredOutputManager:
         grammars: dict[int, StructuredOutputGrammar] = {}
         for i, (req_id, d) in enumerate(zip(request_ids, drafts)):
             if d and req_id in self.requests:
+                self._catch_up(self.requests[req_id])
                 grammars[i] = self.requests[req_id].grammar
             elif d:  # finished since it was scheduled (async scheduling): samples discarded
                 bitmask[starts[i] + 1 : starts[i + 1]] = -1
@@ -373,11 +377,71 @@ class StructuredOutputManager:
                 grammars[i].rollback(n)
         return bitmask
 
+    # ---- the grammar process -------------------------------------------------------------
+    def wait_for_grammar_process(self, timeout: float) -> bool:
+        """Start the grammar process if it is not running and wait up to ``timeout`` seconds
+        until it takes requests (guided requests that arrive before that are never handed to
+        it). For benchmarks and tests; False without ``grammar_process``."""
+        return self.use_grammar_process and self._grammar_process().wait_ready(timeout)
+
+    def _grammar_process(self) -> GrammarProcess:
+        if self._process is None:
+            # Imported here: ``python -m`` runs that module in the process, after this package.
+            from pagelm.structured_output.grammar_process import GrammarProcess
+
+            self._process = GrammarProcess(
+                self.backend_cls, self.config, self.vocab_size, self.eos_token_ids,
+                max(self.config.max_num_seqs, 1), pin_memory=self.pin_memory,
+            )
+        return self._process
+
+    def _process_step(self) -> "_PendingStep":
+        """Send this step's tokens to the grammar process; every request's tokens wait in
+        ``_lag`` until this side needs its own grammar (a row the process leaves)."""
+        requests = [self.requests[req_id] for req_id in self._unapplied]
+        tokens = list(self._unapplied.values())
+        self._unapplied = {}
+        self._staged_ids = []
+        self._staged = self._process.bitmask
+        slots = self._slots
+        for request, toks in zip(requests, tokens):
+            self._lag.setdefault(request.request_id, []).extend(toks)
+        self._process.step([slots.get(r.request_id, -1) for r in requests], tokens)
+        return _PendingStep(lambda: self._process_result(requests, tokens))
+
+    def _process_result(self, requests: list["Request"], tokens: list[list[int]]):
+        """The job's result (``_take``) from the process's reply; the rows it left are filled
+        here, from this side's grammars brought up to date."""
+        unfilled, rejected_rows = self._process.result()
+        rows = range(len(requests)) if unfilled is None else unfilled
+        rejected = [(requests[row], tokens[row]) for row in rejected_rows]
+        self.rows_filled_by_process += len(requests) - len(rows)
+        if rows:
+            self._fill_here([requests[row] for row in rows], self._staged, list(rows))
+        return [r.request_id for r in requests], rejected
+
+    def _fill_here(self, requests: list["Request"], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Fill ``rows`` of ``bitmask`` from this side's grammars (brought up to date first)."""
+        for request in requests:
+            self._catch_up(request)
+        self._get_backend().fill_bitmasks([r.grammar for r in requests], bitmask, rows=rows)
+
+    def _catch_up(self, request: "Request") -> None:
+        """Apply to ``request``'s grammar the tokens only the grammar process has applied (a
+        rejected token fails the request, as in the worker's job)."""
+        lag = self._lag.pop(request.request_id, None)
+        if lag:
+            if not request.grammar.accept_tokens(lag) and request.error is None:
+                request.error = f"guided_decoding: sampled token(s) {lag} are not allowed by the grammar"
+
     # ---- the worker ----------------------------------------------------------------------
     def _stage(self) -> tuple[list["Request"], list[list[int]], torch.Tensor]:
         """A job's arguments: the unapplied tokens, their requests, the buffer their rows go
         to (no row is valid until the job is done)."""
         requests = [self.requests[req_id] for req_id in self._unapplied]
+        if self._lag:  # the grammar process stopped: this side takes over from where it was
+            for request in requests:
+                self._catch_up(request)
         tokens = list(self._unapplied.values())
         self._unapplied = {}
         self._staged_ids = []
@@ -451,21 +515,27 @@ class StructuredOutputManager:
             return self._backend
 
     def _make_backend(self) -> StructuredOutputBackend:
-        problems = self.backend_cls.validate(self.config)
-        if problems:
-            raise ValueError(f"structured_output_backend={self.backend_cls.name!r}: " + "; ".join(problems))
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
-        return self.backend_cls(self.config, tokenizer, self.vocab_size, self.eos_token_ids)
+        return build_backend(self.backend_cls, self.config, self.vocab_size, self.eos_token_ids)
 
     def shutdown(self) -> None:
+        if self._process is not None:
+            self._finish_job()
+            self._process.close()
         if self._bitmask_worker is not None:
             self._bitmask_worker.shutdown(wait=True)
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
         if self._backend is not None:
             self._backend.shutdown()
+
+
+class _PendingStep:
+    """A step handed to the grammar process, like a worker job's future: ``result()``."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result) -> None:
+        self.result = result
 
 
 def _error_message(error: BaseException) -> str:

@@ -1,0 +1,167 @@
+"""The grammar process (``structured_output_process=True``): a child process mirrors the guided
+requests' grammars and fills their bitmask rows. Whatever it does or fails to do, the tokens
+are those of the worker thread's engine (seeded sampling), and the engine core takes over
+the rows it leaves: requests that arrived before it was ready, preemptions, drafts, and the
+process dying mid-run."""
+
+import re
+
+import pytest
+from transformers import AutoTokenizer
+
+from pagelm import LLM, GuidedDecodingParams, SamplingParams
+
+EOS = 1  # the tiny tokenizer's <|eos|>
+ENGINE_ARGS = dict(dtype="float32", block_size=8, async_scheduling=True, plugin_config={"xgrammar": {"any_whitespace": False}})
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+ARITHMETIC = r"""
+root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= [0-9]+ | "(" expr ")"
+"""
+SCHEMA = {
+    "type": "object",
+    "properties": {"s": {"type": "array", "items": {"enum": [1, 2]}, "minItems": 2, "maxItems": 6}, "ok": {"type": "boolean"}},
+    "required": ["s", "ok"],
+}
+CONSTRAINTS = [dict(json=SCHEMA), dict(regex=r"(ab|ba){2,8}c"), dict(choice=["la la la", "no"]), dict(grammar=ARITHMETIC), None]
+
+
+def workload(n: int = 15, max_tokens: int = 48) -> tuple[list[dict], list[SamplingParams]]:
+    """Seeded requests under each kind of constraint and none, prompts of different lengths
+    (their prefills end in different steps)."""
+    params = [
+        SamplingParams(
+            temperature=1.0, seed=i, max_tokens=max_tokens,
+            guided_decoding=None if c is None else GuidedDecodingParams(**c),
+        )
+        for i, c in zip(range(n), CONSTRAINTS * n)
+    ]
+    prompts = [{"prompt_token_ids": list(range(5, 5 + 2 * i + 1))} for i in range(n)]
+    return prompts, params
+
+
+def token_ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def process_llm(model_dir, **kw) -> LLM:
+    llm = LLM(str(model_dir), structured_output_process=True, **ENGINE_ARGS, **kw)
+    assert llm.engine.core.structured_output.use_grammar_process
+    return llm
+
+
+@pytest.fixture(scope="module")
+def thread(llama_dir):
+    llm = LLM(str(llama_dir), structured_output_process=False, **ENGINE_ARGS)
+    assert not llm.engine.core.structured_output.use_grammar_process
+    yield llm
+    llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def process(llama_dir):
+    llm = process_llm(llama_dir)
+    assert llm.engine.core.structured_output.wait_for_grammar_process(120)
+    yield llm
+    llm.engine.shutdown()
+
+
+def test_the_process_fills_the_rows_and_the_tokens_are_the_worker_threads(thread, process):
+    prompts, params = workload()
+    manager = process.engine.core.structured_output
+    before = manager.rows_filled_by_process
+    want = thread.generate(prompts, params, use_tqdm=False)
+    got = process.generate(prompts, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(want)
+    assert {o.outputs[0].finish_reason for o in got} <= {"stop", "length"}
+    assert re.fullmatch(r"(ab|ba){2,8}c", got[1].outputs[0].text) and got[2].outputs[0].text in ("la la la", "no")
+    # Nearly every guided row came from the process: the first row of each request is filled
+    # where its grammar was compiled (here), and so may a few while the process compiles.
+    guided_rows = sum(len(o.outputs[0].token_ids) for o, p in zip(got, params) if p.guided_decoding)
+    assert manager.rows_filled_by_process - before > guided_rows // 2
+    assert not manager._lag  # released with their requests
+
+
+def test_requests_that_arrive_before_the_process_is_ready_stay_with_the_engine_core(llama_dir, thread):
+    prompts, params = workload()
+    want = token_ids(thread.generate(prompts, params, use_tqdm=False))
+    llm = process_llm(llama_dir)
+    try:
+        manager = llm.engine.core.structured_output
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want  # started by them
+        assert manager.wait_for_grammar_process(120)
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
+        assert manager.rows_filled_by_process > 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_process_that_dies_mid_run_is_taken_over_by_the_engine_core(llama_dir, thread, monkeypatch, caplog):
+    prompts, params = workload()
+    want = token_ids(thread.generate(prompts, params, use_tqdm=False))
+    llm = process_llm(llama_dir)
+    try:
+        manager = llm.engine.core.structured_output
+        assert manager.wait_for_grammar_process(120)
+        prepare, steps = manager.prepare_bitmask, []
+
+        def kill_on_the_tenth_step():
+            steps.append(1)
+            if len(steps) == 10:
+                manager._process._proc.kill()
+                manager._process._proc.wait()
+            prepare()
+
+        monkeypatch.setattr(manager, "prepare_bitmask", kill_on_the_tenth_step)
+        with caplog.at_level("WARNING", logger="pagelm"):
+            assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
+        assert 0 < manager.rows_filled_by_process and not manager._process.alive
+        assert "the grammar process stopped" in caplog.text
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want  # all here now
+    finally:
+        llm.engine.shutdown()
+
+
+def test_the_same_tokens_under_preemption(llama_dir):
+    # 12 blocks x 8 = 96 slots for 15 requests of up to ~80 tokens: constant preemption, and
+    # the requests coming back are rows out of the process's order.
+    prompts, params = workload()
+    kw = dict(num_kv_blocks=12, max_model_len=96)
+    thread = LLM(str(llama_dir), structured_output_process=False, **ENGINE_ARGS, **kw)
+    want = token_ids(thread.generate(prompts, params, use_tqdm=False))
+    thread.engine.shutdown()
+    llm = process_llm(llama_dir, **kw)
+    try:
+        core = llm.engine.core
+        assert core.structured_output.wait_for_grammar_process(120)
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
+        assert core.scheduler.num_preemptions > 0 and core.structured_output.rows_filled_by_process > 0
+        assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks, "KV blocks leaked"
+    finally:
+        llm.engine.shutdown()
+
+
+def test_guided_requests_with_ngram_drafts_give_the_tokens_of_the_worker_thread(llama_dir):
+    # Drafts are checked and their rows filled by the engine core's grammars (caught up with
+    # the process first); the process fills the next-token rows.
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    prompts = [{"prompt_token_ids": tokenizer.encode("abbaab" * 4)}, {"prompt_token_ids": [5, 6, 7]}] * 4
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=64, guided_decoding=GuidedDecodingParams(regex=r"(ab|ba){2,20}c"))
+        for i in range(8)
+    ]
+    kw = dict(speculative_config=NGRAM)
+    thread = LLM(str(llama_dir), structured_output_process=False, **ENGINE_ARGS, **kw)
+    want = thread.generate(prompts, params, use_tqdm=False)
+    thread.engine.shutdown()
+    llm = process_llm(llama_dir, **kw)
+    try:
+        assert llm.engine.core.structured_output.wait_for_grammar_process(120)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert token_ids(got) == token_ids(want)
+        assert sum(o.metrics.spec_num_accepted_tokens for o in got) > 0
+        assert llm.engine.core.structured_output.rows_filled_by_process > 0
+    finally:
+        llm.engine.shutdown()
