@@ -4,15 +4,20 @@ are those of the worker thread's engine (seeded sampling), and the engine core t
 the rows it leaves: requests that arrived before it was ready, preemptions, drafts, and the
 process dying mid-run."""
 
+import gc
 import re
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from pagelm import LLM, GuidedDecodingParams, SamplingParams
 
 EOS = 1  # the tiny tokenizer's <|eos|>
-ENGINE_ARGS = dict(dtype="float32", block_size=8, async_scheduling=True, plugin_config={"xgrammar": {"any_whitespace": False}})
+# On the CPU also on GPU machines (the GPU path: the last test).
+ENGINE_ARGS = dict(
+    device="cpu", dtype="float32", block_size=8, async_scheduling=True, plugin_config={"xgrammar": {"any_whitespace": False}}
+)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 ARITHMETIC = r"""
 root ::= expr
@@ -165,3 +170,28 @@ def test_guided_requests_with_ngram_drafts_give_the_tokens_of_the_worker_thread(
         assert llm.engine.core.structured_output.rows_filled_by_process > 0
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_process_is_the_default_and_gives_the_worker_threads_tokens(llama_dir):
+    # CUDA + async scheduling: the process fills a pinned bitmask. Engines dropped without a
+    # shutdown unpin it first: a stale registration made later pinned allocations fail.
+    prompts, params = workload()
+    args = dict(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, plugin_config=ENGINE_ARGS["plugin_config"])
+    thread = LLM(str(llama_dir), structured_output_process=False, **args)
+    want = token_ids(thread.generate(prompts, params, use_tqdm=False))
+    thread.engine.shutdown()
+    del thread  # each engine sizes its KV pool from what is free
+    gc.collect()
+    torch.cuda.empty_cache()
+    for _ in range(2):
+        llm = LLM(str(llama_dir), **args)
+        manager = llm.engine.core.structured_output
+        assert llm.engine.core.async_scheduling and manager.use_grammar_process
+        assert manager.wait_for_grammar_process(120) and manager._process.bitmask.is_pinned()
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
+        assert manager.rows_filled_by_process > 0
+        del llm, manager  # no shutdown
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.empty(1 << 20, pin_memory=True)  # a pinned allocation after the drop

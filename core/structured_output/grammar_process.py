@@ -38,6 +38,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import weakref
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -89,10 +90,15 @@ class GrammarProcess:
         tmpfs = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, self._path = tempfile.mkstemp(prefix="pagelm-bitmask-", dir=tmpfs)
         os.close(fd)
-        self._buffer = _map(self._path, rows * words * 4)
+        buffer = _map(self._path, rows * words * 4)
         # Rows the process fills; the engine core fills the rows it left, in place.
-        self.bitmask = _bitmask_view(self._buffer, rows, words)
-        self._pinned = pin_memory and _pin(self.bitmask)
+        self.bitmask = _bitmask_view(buffer, rows, words)
+        pinned = pin_memory and _pin(self.bitmask)
+        # Unpinned before the memory can be unmapped, also when the engine is dropped without
+        # a shutdown: CUDA would keep the range registered, and a later pinned allocation at
+        # that address fails ("already mapped"). The finalizer holds the mapping until then.
+        self._unpin = weakref.finalize(self, _unpin, buffer, self.bitmask.data_ptr() if pinned else None)
+        self._unpin.atexit = False
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         self._proc = subprocess.Popen(
@@ -171,8 +177,7 @@ class GrammarProcess:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
-        if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.bitmask.data_ptr())
+        self._unpin()
         with contextlib.suppress(FileNotFoundError):  # the process removes it once mapped
             os.unlink(self._path)
 
@@ -188,6 +193,11 @@ def _pin(bitmask: torch.Tensor) -> bool:
     if not ok:
         logger.warning("could not pin the grammar process's bitmask: cudaHostRegister returned %s", err)
     return ok
+
+
+def _unpin(buffer: mmap.mmap, pinned_ptr: int | None) -> None:
+    if pinned_ptr is not None:
+        torch.cuda.cudart().cudaHostUnregister(pinned_ptr)
 
 
 # ---- the process ---------------------------------------------------------------------------
@@ -283,8 +293,8 @@ def serve(recv: Connection, send: Connection) -> None:
             mirror.add(message[1], message[2])
         elif kind == "release":
             mirror.release(message[1])
-    mirror.pool.shutdown(wait=False, cancel_futures=True)
-    backend.shutdown()
+    # Nothing to tear down for anyone: leave at once, not after a compile still running.
+    os._exit(0)
 
 
 if __name__ == "__main__":
