@@ -24,6 +24,9 @@ def server(llama_dir):
         str(llama_dir), "--served-model-name", "tiny", "--num-kv-blocks", "256", "--max-model-len", "512",
         # The random model would write whitespace between JSON tokens for a long time.
         "--plugin-config", '{"xgrammar": {"any_whitespace": false}}',
+        # As on CUDA (the default there): a grammar process, started by the first guided
+        # request under the engine core's process, fills the rows once it is ready.
+        "--structured-output-process",
     ) as url:
         yield url
 

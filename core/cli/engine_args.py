@@ -40,6 +40,8 @@ _HELP = {
     "structured_output_backend": "registered guided-decoding backend name (see `pagelm plugins`)",
     "structured_output_cache_bytes": "memory bound of the compiled-grammar cache, in bytes",
     "structured_output_compile_timeout": "seconds one grammar may take to compile before its requests fail",
+    "structured_output_process": "--structured-output-process: fill guided bitmasks in a grammar process; "
+    "--no-structured-output-process: on a worker thread (unset: the process on CUDA with async scheduling)",
     "plugin_config": "JSON/YAML mapping of plugin-specific settings",
     "speculative_config": 'speculative decoding, JSON/YAML: {"method": "ngram"|"eagle", '
     '"num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": n, "model": DIR}',
