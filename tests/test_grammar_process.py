@@ -172,6 +172,44 @@ def test_guided_requests_with_ngram_drafts_give_the_tokens_of_the_worker_thread(
         llm.engine.shutdown()
 
 
+def test_the_mirror_holds_tokens_while_it_compiles_and_leaves_a_grammar_that_failed(llama_dir):
+    # The process's side, in this process: both compile workers held busy, so the compile is
+    # still queued when the first tokens come (the row is left, the tokens kept for later).
+    import threading
+
+    from pagelm import EngineConfig
+    from pagelm.plugins.structured_output.xgrammar_backend import XgrammarBackend
+    from pagelm.sample.bitmask import unpack_bitmask
+    from pagelm.structured_output.grammar_process import _COMPILE_WORKERS, _Mirror
+
+    vocab = 520
+    config = EngineConfig(model=str(llama_dir), **{k: v for k, v in ENGINE_ARGS.items() if k != "device"})
+    backend = XgrammarBackend(config, AutoTokenizer.from_pretrained(llama_dir), vocab, frozenset([EOS]))
+    bitmask = torch.zeros(4, (vocab + 31) // 32, dtype=torch.int32)
+    mirror = _Mirror(backend, 1 << 30, bitmask)
+    held = threading.Event()
+    for _ in range(_COMPILE_WORKERS):
+        mirror.pool.submit(held.wait)
+    regex = GuidedDecodingParams(regex="[a-c]{2}x[0-9]{3}")
+    mirror.add(7, regex)
+    mirror.add(8, GuidedDecodingParams(regex="[a-c]{2}(x"))  # does not compile
+    tokens = AutoTokenizer.from_pretrained(llama_dir).encode("abx12")
+    assert mirror.step([7, 8, -1], [tokens[:2], tokens[:2], [5]]) == ([0, 1, 2], [])  # all left
+    held.set()
+    for future in list(mirror.compiles.values()):
+        future.exception()  # wait
+    assert mirror.step([7, 8], [tokens[2:], tokens[2:]]) == ([1], [])  # 7 caught up; 8 out of step
+    reference = backend.compile(regex).new_grammar()
+    assert reference.accept_tokens(tokens)
+    want = torch.zeros(1, bitmask.shape[1], dtype=torch.int32)
+    reference.fill_bitmask(want, 0)
+    assert torch.equal(unpack_bitmask(bitmask[:1], vocab), unpack_bitmask(want, vocab))
+    assert mirror.step([7], [[EOS]]) == ([], [0])  # a token its grammar rejects
+    mirror.release(7)
+    assert mirror.step([7], [[5]]) == ([0], [])
+    mirror.pool.shutdown()
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_process_is_the_default_and_gives_the_worker_threads_tokens(llama_dir):
     # CUDA + async scheduling: the process fills a pinned bitmask. Engines dropped without a
