@@ -393,8 +393,10 @@ def test_a_compiling_request_waits_without_blocking_the_others(scripted):
     engine.add_request("guided", PROMPT, SamplingParams(max_tokens=10, guided_decoding=GuidedDecodingParams(grammar="7 8")))
     assert scheduler.requests["guided"].status == RequestStatus.WAITING_FOR_GRAMMAR
     finished = {}
-    for _ in range(3):  # the plain request runs to the end while the grammar compiles
+    for _ in range(6):  # the plain request runs to the end while the grammar compiles
         finished.update({o.request_id: o for o in engine.step() if o.finished})
+        if "plain" in finished:  # 3 steps, or 4 when async scheduling reports a step late (CUDA)
+            break
     assert "plain" in finished and len(finished["plain"].outputs[0].token_ids) == 3
     assert scheduler.requests["guided"].status == RequestStatus.WAITING_FOR_GRAMMAR
     ScriptedBackend.release.set()
