@@ -146,9 +146,9 @@ class GrammarProcess:
         request it does not mirror, row left). ``result`` reports what was done."""
         self._post(("step", slots, tokens))
 
-    def result(self) -> tuple[list[int], list[int]]:
+    def result(self) -> tuple[list[int] | None, list[int]]:
         """Wait for the last ``step``: the rows it left unfilled and the rows whose tokens its
-        grammar rejected (a dead process leaves every row)."""
+        grammar rejected (``None`` for the first: the process is gone, every row is left)."""
         if self.alive:
             try:
                 return self._recv.recv()
@@ -196,6 +196,7 @@ def _pin(bitmask: torch.Tensor) -> bool:
 
 
 def _unpin(buffer: mmap.mmap, pinned_ptr: int | None) -> None:
+    """The finalizer: ``buffer`` is only held, so that it is unmapped after this."""
     if pinned_ptr is not None:
         torch.cuda.cudart().cudaHostUnregister(pinned_ptr)
 
