@@ -93,9 +93,14 @@ class EngineCore:
         if use_cuda_graphs:
             self.runner.capture_cuda_graphs()
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.async_scheduling = self._use_async_scheduling(use_cuda_graphs, proposer_cls)
         # Guided decoding: grammars compile off the step loop; the runner asks it for bitmasks.
+        grammar_process = config.structured_output_process
+        if grammar_process is None:
+            grammar_process = self.device.type == "cuda" and self.async_scheduling
         self.structured_output = StructuredOutputManager(
-            config, structured_output_cls, self.vocab_size, eos_token_ids, pin_memory=self.device.type == "cuda"
+            config, structured_output_cls, self.vocab_size, eos_token_ids,
+            pin_memory=self.device.type == "cuda", grammar_process=grammar_process,
         )
         self.runner.structured_output = self.structured_output
         self.scheduler = Scheduler(
@@ -104,11 +109,6 @@ class EngineCore:
         )
         # req_id -> when it was first scheduled, until its first output carries it out.
         self._first_scheduled: dict[str, float] = {}
-        self.async_scheduling = self._use_async_scheduling(use_cuda_graphs, proposer_cls)
-        grammar_process = config.structured_output_process
-        if grammar_process is None:
-            grammar_process = self.device.type == "cuda" and self.async_scheduling
-        self.structured_output.use_grammar_process = grammar_process
         # Async scheduling: the step launched and not finished yet (possibly not yet sampled:
         # a guided step's sampling waits for its grammars, ``PendingStep.awaits_sampling``).
         self._in_flight: PendingStep | None = None

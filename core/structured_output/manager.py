@@ -398,15 +398,10 @@ class StructuredOutputManager:
     def _process_step(self) -> "_PendingStep":
         """Send this step's tokens to the grammar process; every request's tokens wait in
         ``_lag`` until this side needs its own grammar (a row the process leaves)."""
-        requests = [self.requests[req_id] for req_id in self._unapplied]
-        tokens = list(self._unapplied.values())
-        self._unapplied = {}
-        self._staged_ids = []
-        self._staged = self._process.bitmask
-        slots = self._slots
+        requests, tokens, _ = self._take_unapplied(self._process.bitmask)
         for request, toks in zip(requests, tokens):
             self._lag.setdefault(request.request_id, []).extend(toks)
-        self._process.step([slots.get(r.request_id, -1) for r in requests], tokens)
+        self._process.step([self._slots.get(r.request_id, -1) for r in requests], tokens)
         return _PendingStep(lambda: self._process_result(requests, tokens))
 
     def _process_result(self, requests: list["Request"], tokens: list[list[int]]):
@@ -438,14 +433,22 @@ class StructuredOutputManager:
     def _stage(self) -> tuple[list["Request"], list[list[int]], torch.Tensor]:
         """A job's arguments: the unapplied tokens, their requests, the buffer their rows go
         to (no row is valid until the job is done)."""
-        requests = [self.requests[req_id] for req_id in self._unapplied]
+        requests, tokens, buffer = self._take_unapplied()
         if self._lag:  # the grammar process stopped: this side takes over from where it was
             for request in requests:
                 self._catch_up(request)
+        return requests, tokens, buffer
+
+    def _take_unapplied(
+        self, buffer: torch.Tensor | None = None
+    ) -> tuple[list["Request"], list[list[int]], torch.Tensor]:
+        """The unapplied tokens and their requests, handed to a job whose rows go to
+        ``buffer`` (default: the staging buffer, grown to fit); nothing is staged until then."""
+        requests = [self.requests[req_id] for req_id in self._unapplied]
         tokens = list(self._unapplied.values())
         self._unapplied = {}
         self._staged_ids = []
-        self._staged = self._rows_buffer(self._staged, len(requests))
+        self._staged = self._rows_buffer(self._staged, len(requests)) if buffer is None else buffer
         return requests, tokens, self._staged
 
     def _advance_and_fill(
