@@ -386,7 +386,7 @@ class Scheduler:
         return drafts
 
     def _advance_grammars(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput, index: dict) -> None:
-        """Hand the guided requests' samples to their grammars and start the worker on them
+        """Hand the guided requests' samples to their grammars and start the grammar work on them
         (accept, then fill the next step's bitmask) before the rest of the step's accounting:
         under async scheduling the next step's sampling waits for that bitmask. A request
         that ended (EOS, an error, finished while the step was in flight) is left out; one
