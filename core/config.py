@@ -40,6 +40,9 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
     scheduling_policy: str = "fcfs"
+    # Progress whatever the policy does: a request preempted this many times in a row
+    # without producing a token is no longer a victim until it finishes.
+    max_stalled_preemptions: int = 8
     # "auto": on CUDA the first usable of flashinfer, triton, torch; torch on CPU (logged at
     # start-up).
     attention_backend: str = "auto"
@@ -116,6 +119,8 @@ class EngineConfig:
             out.append(
                 f"long_prefill_token_threshold must be >= 0 (0 = off), got {self.long_prefill_token_threshold}"
             )
+        if self.max_stalled_preemptions < 1:
+            out.append(f"max_stalled_preemptions must be >= 1, got {self.max_stalled_preemptions}")
         if self.max_num_partial_prefills < 1:
             out.append(f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}")
         if self.cascade_attention_min_blocks < 0:

@@ -103,6 +103,10 @@ class Request:
         # Prompt tokens served from the prefix cache at first admission (reported to users).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # Preemptions since it last produced a token (the scheduler's progress guard), and
+        # its token count at the last preemption.
+        self.num_stalled_preemptions = 0
+        self.num_output_tokens_at_preemption = 0
         # Prompt logprobs skip the prefix cache (their logits must be computed).
         self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
         self.prompt_logprobs_done = sampling_params.prompt_logprobs is None

@@ -135,6 +135,15 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_blocks.setdefault(block_hash, block)
 
+    def uncache_blocks(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Take blocks out of the prefix cache before their KV exists (their writer gave way
+        in the step that registered them). Returns those that were the cache's entry for
+        their hash: another request may have taken a hit on them."""
+        entries = [b for b in blocks if b.block_hash is not None and self.cached_blocks.get(b.block_hash) is b]
+        for block in blocks:
+            self._evict(block)
+        return entries
+
     def reset_prefix_cache(self) -> bool:
         if self.num_free_blocks != self.num_blocks:
             return False

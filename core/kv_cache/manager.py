@@ -116,6 +116,24 @@ class KVCacheManager:
                 self.num_cached_blocks[request.request_id] = num_full
         return new_blocks
 
+    def uncache_unwritten(self, request: Request) -> list[KVCacheBlock]:
+        """Take back the prefix-cache entries of the request's blocks past its computed tokens::
+
+            | computed (written, or written by a launched step) | booked this step |
+                                                                ^ num_computed_tokens
+
+        ``allocate_slots`` registers blocks that this step's tokens fill before the forward
+        pass; when the request gives way in that same step nobody writes them, and a later
+        hit would read garbage. Returns the blocks taken back that other requests may have
+        hit in this step (the scheduler makes those give way too)."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        first = request.num_computed_tokens // self.block_size
+        done = self.num_cached_blocks.get(request.request_id, 0)
+        if done <= first:
+            return []
+        self.num_cached_blocks[request.request_id] = first
+        return self.pool.uncache_blocks(blocks[first:done])
+
     def free(self, request: Request) -> None:
         """Return the request's blocks, tail first so the shared prefix is evicted last."""
         blocks = self.req_to_blocks.pop(request.request_id, [])

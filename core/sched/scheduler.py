@@ -13,6 +13,7 @@ token turns out to end it has its next step's token discarded.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from pagelm.sched.policy import SchedulingPolicy
 from pagelm.spec_decode.stats import SpecDecodingStats
 from pagelm.structured_output import StructuredOutputManager
 from pagelm.worker.output import ModelRunnerOutput
+
+logger = logging.getLogger("pagelm")
 
 # With nothing to run but grammars compiling, schedule() waits this long for a compile
 # instead of spinning (new requests are picked up after at most this delay).
@@ -64,6 +67,8 @@ class Scheduler:
         # writes (EAGLE's KV at draft positions), and acceptance counters since start.
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_decoding_stats = SpecDecodingStats()
+        # Preemptions in a row without a new token after which a request is no longer a victim.
+        self.max_stalled_preemptions = config.max_stalled_preemptions
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -183,10 +188,9 @@ class Scheduler:
                     self._admit(req, num_hit_tokens, out)
                     step.book(req, num_new, partial, out)
                     continue
-            victim = self.waiting.select_victim_for(req, self.running)
+            victim = self._victim_for_waiting(req)
             if victim is None:
                 break
-            assert victim in self.running, f"{type(self.waiting).__name__} chose a victim that is not running"
             self._preempt(victim, out, step)
 
     def _admit(self, req: Request, num_hit_tokens: int, out: SchedulerOutput) -> None:
@@ -263,7 +267,7 @@ class Scheduler:
             blocks = self.kv.allocate_slots(req, num_new, lookahead)
             if blocks is not None:
                 return blocks
-            victim = self.waiting.select_victim(self.running)
+            victim = self._victim_for_room(req)
             self._preempt(victim, out, step)
             if victim is req:
                 return None
@@ -271,17 +275,86 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput, step: "_StepState") -> None:
         """Recompute preemption: free the blocks, forget the progress, queue it again. A token
         still in flight keeps its placeholder: ``update_from_output`` appends it, and the
-        request recomputes it with the rest when it is admitted again."""
+        request recomputes it with the rest when it is admitted again.
+
+        A request booked earlier in this step registered the blocks its chunk fills in the
+        prefix cache; nobody writes them now, so they leave the cache, and a request admitted
+        this step on a hit of one of them gives way too (it would read KV nobody wrote)."""
         self.running.remove(req)
         step.unbook(req, out)
+        unwritten = self.kv.uncache_unwritten(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.num_preemptions += 1
+        self._count_stall(req)
         self.num_preemptions += 1
         self.waiting.prepend(req)
         out.preempted_req_ids.add(req.request_id)
+        for other in self._hit_unwritten(unwritten, out):
+            self._preempt(other, out, step)
+
+    def _hit_unwritten(self, blocks: list, out: SchedulerOutput) -> list[Request]:
+        """Requests admitted this step that took prefix hits on ``blocks``."""
+        if not blocks:
+            return []
+        ids = {b.block_id for b in blocks}
+        hit = []
+        for new in out.scheduled_new_reqs:
+            other = self.requests[new.req_id]
+            num_hit_blocks = other.num_computed_tokens // self.kv.block_size
+            if not ids.isdisjoint(self.kv.get_block_ids(other.request_id)[:num_hit_blocks]):
+                hit.append(other)
+        return hit
+
+    # ---- progress whatever the policy does ----------------------------------------------
+    def _count_stall(self, req: Request) -> None:
+        """Count preemptions since ``req`` last produced a token; at the limit it stops being
+        a victim until it finishes, so a policy that keeps picking it cannot stall the engine."""
+        if self._protected(req):
+            return
+        if req.num_output_tokens != req.num_output_tokens_at_preemption:
+            req.num_output_tokens_at_preemption = req.num_output_tokens
+            req.num_stalled_preemptions = 0
+        req.num_stalled_preemptions += 1
+        if req.num_stalled_preemptions == self.max_stalled_preemptions:
+            logger.warning(
+                "request %s was preempted %d times without producing a token (scheduling_policy=%r); "
+                "it is no longer preempted until it finishes",
+                req.request_id, req.num_stalled_preemptions, self.config.scheduling_policy,
+            )
+
+    def _protected(self, req: Request) -> bool:
+        return req.num_stalled_preemptions >= self.max_stalled_preemptions
+
+    def _victim_for_room(self, req: Request) -> Request:
+        """The policy's victim when ``req`` (running) needs KV room, unless that request is
+        protected: then the newest unprotected running request (``req`` itself if none is
+        newer), or the newest of all if every one is protected. The oldest running request
+        is then never the victim while another runs, so it always finishes: progress."""
+        victim = self.waiting.select_victim(self.running)
+        self._check_victim(victim)
+        if not self._protected(victim):
+            return victim
+        unprotected = [r for r in self.running if not self._protected(r)]
+        return (unprotected or self.running)[-1]
+
+    def _victim_for_waiting(self, req: Request) -> Request | None:
+        """The policy's victim in favour of the waiting head ``req``; a protected one is
+        refused (the head waits)."""
+        victim = self.waiting.select_victim_for(req, self.running)
+        if victim is None:
+            return None
+        self._check_victim(victim)
+        return None if self._protected(victim) else victim
+
+    def _check_victim(self, victim: Request) -> None:
+        if victim not in self.running:
+            raise RuntimeError(
+                f"scheduling_policy={self.config.scheduling_policy!r} ({type(self.waiting).__module__}."
+                f"{type(self.waiting).__qualname__}) chose a victim that is not running: {victim!r}"
+            )
 
     # ---- after the forward pass ----------------------------------------------------------
     def update_from_output(
