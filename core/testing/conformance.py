@@ -11,11 +11,15 @@ Scheduling policies (``check_scheduling_policy``):
 * queue semantics: ``add``/``peek``/``pop``/``remove``/``prepend``/``__iter__``/``__len__``
   agree with each other, and victims are running requests;
 * driven through the real scheduler and KV cache manager with a fake model, under a roomy
-  pool, a tight pool (constant preemption) and ``max_num_seqs=2`` with late arrivals: every
-  admitted request finishes, each step respects the budgets, every block is free at the end,
-  and preempted requests finish with the tokens of the un-preempted run;
-* with ``model_dir``: the same through ``LLM`` on a real (tiny) model, greedy tokens equal
-  to FCFS on a pool that never preempts.
+  pool, a tight pool (constant preemption), ``max_num_seqs=2`` with late arrivals, and
+  late arrivals landing mid-prefill that preempt the policy's own victim (forced): every
+  admitted request finishes, each step respects the budgets, every position a request
+  attends to holds its token (a shadow of the paged KV cache: a prefix-cache hit on KV
+  nobody wrote fails), every block is free at the end, and preempted requests finish with
+  the tokens of the un-preempted run;
+* with ``model_dir``: the same through ``LLM`` on a real (tiny) model, on a tight pool and
+  with staggered arrivals into chunked prefill: greedy tokens equal to FCFS on a pool that
+  never preempts.
 
 Attention backends (``check_attention_backend``): the static description, the paged
 kernels against the ``torch`` reference on mixed prefill/decode batches with shuffled
@@ -88,11 +92,16 @@ def _config(name: str, plugin_config: dict[str, Any] | None, **kw: Any) -> Engin
     )
 
 
-def _request(req_id: str, prompt_len: int, max_tokens: int, priority: int = 0, arrival: float = 0.0) -> Request:
+def _request(
+    req_id: str, prompt_len: int, max_tokens: int, priority: int = 0, arrival: float = 0.0, shared: int = 0
+) -> Request:
+    """A request whose first ``shared`` prompt tokens are the same for every request (prefix
+    cache hits), the rest its own."""
     base = 1000 * (int(req_id) + 1)
+    shared = min(shared, prompt_len)
     return Request(
         req_id,
-        list(range(base, base + prompt_len)),
+        list(range(1, 1 + shared)) + list(range(base, base + prompt_len - shared)),
         SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         arrival_time=arrival,
         priority=priority,
@@ -143,22 +152,68 @@ def _fake_token(req: Request) -> int:
 
 
 def _workload() -> list[tuple[int, Request]]:
-    """(step at which it arrives, request): a burst, then late arrivals of mixed priority."""
+    """(step at which it arrives, request): a burst of mixed priority, then urgent late arrivals
+    that land while earlier prompts are part-way through a chunked prefill; half the prompts share
+    a 12-token prefix (prefix-cache hits, some within one step)."""
     out = []
     for i in range(12):
         prompt_len = [3, 17, 9, 30, 5, 12][i % 6]
         max_tokens = [12, 3, 20, 6, 9, 15][(i * 5) % 6]
-        step = 0 if i < 7 else 4 * (i - 6)
-        out.append((step, _request(str(i), prompt_len, max_tokens, priority=[2, 1, 0][i % 3], arrival=float(step + i / 100))))
+        step = 0 if i < 7 else 4 * (i - 6) - (i % 2)
+        shared = 12 if i % 2 else 0
+        priority = 1 + i % 2 if i < 7 else 0  # late arrivals are the most urgent
+        out.append((step, _request(str(i), prompt_len, max_tokens, priority, float(step + i / 100), shared)))
     return out
 
 
-def _run_scheduler(name: str, plugin_config: dict[str, Any] | None, num_blocks: int, max_steps: int = 3000, **kw: Any):
+class _ShadowKV:
+    """What the paged KV cache would hold: each step writes every scheduled token's id into
+    its slot (``block_id * block_size + offset``), then checks that every position a request
+    attends to holds that request's token. A prefix-cache hit on a block nobody wrote (or
+    that was overwritten) fails here, as it would change a real model's output."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.slots: list[int | None] = [None] * (num_blocks * _BLOCK_SIZE)
+
+    def step(self, name: str, sched: Scheduler, out) -> None:
+        spans = []
+        for req_id, num_new in out.num_scheduled_tokens.items():
+            req = sched.requests[req_id]
+            end = req.num_computed_tokens  # booked: already counts this step's tokens
+            block_ids = sched.kv.get_block_ids(req_id)
+            spans.append((req, block_ids, end))
+            for pos in range(end - num_new, end):  # every layer writes first ...
+                self.slots[self._slot(block_ids, pos)] = req.all_token_ids[pos]
+        for req, block_ids, end in spans:  # ... then attends over all of it
+            for pos in range(end):
+                held = self.slots[self._slot(block_ids, pos)]
+                assert held == req.all_token_ids[pos], (
+                    f"{name}: request {req.request_id} attends to position {pos} in block "
+                    f"{block_ids[pos // _BLOCK_SIZE]}, which holds {held} instead of its token "
+                    f"{req.all_token_ids[pos]}: a prefix-cache hit on KV that was never written"
+                )
+
+    @staticmethod
+    def _slot(block_ids: list[int], pos: int) -> int:
+        return block_ids[pos // _BLOCK_SIZE] * _BLOCK_SIZE + pos % _BLOCK_SIZE
+
+
+def _run_scheduler(
+    name: str, plugin_config: dict[str, Any] | None, num_blocks: int, max_steps: int = 3000,
+    force_preemption: bool = False, **kw: Any,
+):
+    """Drive the real scheduler over ``_workload`` with a fake model. ``force_preemption``: a
+    waiting request that cannot be admitted always preempts the policy's own victim
+    (``select_victim``), whatever the policy's ``select_victim_for`` would say."""
     config = _config(name, plugin_config, **kw)
     kv = KVCacheManager(num_blocks, _BLOCK_SIZE, config.enable_prefix_caching)
-    sched = Scheduler(config, kv, _policy_class(name)(config), max_model_len=64)
+    policy = _policy_class(name)(config)
+    if force_preemption:
+        policy.select_victim_for = lambda request, running: policy.select_victim(running) if running else None
+    sched = Scheduler(config, kv, policy, max_model_len=64)
     pending = _workload()
     requests = {r.request_id: r for _, r in pending}
+    shadow = _ShadowKV(num_blocks)
     for step in range(max_steps):
         while pending and pending[0][0] <= step:
             sched.add_request(pending.pop(0)[1])
@@ -169,6 +224,7 @@ def _run_scheduler(name: str, plugin_config: dict[str, Any] | None, num_blocks: 
         assert sched.num_running <= config.max_num_seqs, f"{name}: more than max_num_seqs requests running"
         for req_id in out.num_scheduled_tokens:
             assert requests[req_id].status == RequestStatus.RUNNING, f"{name}: scheduled {req_id} is not running"
+        shadow.step(name, sched, out)
         ids = list(out.num_scheduled_tokens)
         sched.update_from_output(out, ModelRunnerOutput(ids, [[_fake_token(requests[i])] for i in ids]))
     else:
@@ -196,7 +252,16 @@ def check_policy_scheduling(name: str, plugin_config: dict[str, Any] | None = No
     )
     assert sched.num_preemptions > 0, f"{name}: the tight pool never preempted; the check did not exercise preemption"
     few, _ = _run_scheduler(name, plugin_config, num_blocks=256, max_num_seqs=2)
-    for label, outs in (("a tight KV pool (preemption)", tight), ("max_num_seqs=2", few)):
+    # Late arrivals find both seats taken by prompts part-way through their prefill and
+    # preempt one (forced): in the step that booked the victim's next chunk.
+    chunked, sched = _run_scheduler(
+        name, plugin_config, num_blocks=256, max_num_seqs=2, long_prefill_token_threshold=4,
+        max_num_partial_prefills=2, force_preemption=True,
+    )
+    assert sched.num_preemptions > 0, f"{name}: forced preemption never happened; the check did not exercise it"
+    for label, outs in (
+        ("a tight KV pool (preemption)", tight), ("max_num_seqs=2", few), ("max_num_seqs=2, chunked prefill", chunked)
+    ):
         diff = [i for i in roomy if outs[i] != roomy[i]]
         assert not diff, f"{name}: with {label} requests {diff} produced different tokens than the roomy run"
 
@@ -205,9 +270,15 @@ _ENGINE_BASELINES: dict[tuple[str, str], list[list[int]]] = {}
 
 
 def _engine_prompts() -> tuple[list[dict], list[int]]:
+    """Prompts (every other one opening with the same 16 tokens: prefix-cache hits) and
+    their priorities."""
     gen = torch.Generator().manual_seed(0)
     lengths = [5, 23, 11, 30, 8, 17, 3, 26]
-    prompts = [{"prompt_token_ids": torch.randint(10, 200, (n,), generator=gen).tolist()} for n in lengths]
+    shared = torch.randint(10, 200, (16,), generator=gen).tolist()
+    prompts = []
+    for i, n in enumerate(lengths):
+        own = torch.randint(10, 200, (n,), generator=gen).tolist()
+        prompts.append({"prompt_token_ids": shared + own if i % 2 else own})
     return prompts, [i % 3 for i in range(len(lengths))]
 
 
@@ -223,9 +294,40 @@ def _engine_tokens(model_dir: str, **kw: Any) -> tuple[list[list[int]], Any]:
     return [o.outputs[0].token_ids for o in outs], core
 
 
+def _engine_tokens_staggered(model_dir: str, **kw: Any) -> tuple[list[list[int]], Any]:
+    """The prompts arriving one per step, the most urgent (priority 0) last, into two seats
+    with prompts prefilled a block a step: late arrivals land mid-prefill."""
+    from pagelm import LLM
+
+    prompts, priorities = _engine_prompts()
+    llm = LLM(
+        model_dir, dtype="float32", block_size=8, max_model_len=64, seed=0, max_num_seqs=2,
+        long_prefill_token_threshold=8, max_num_partial_prefills=2, **kw,
+    )
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    order = sorted(range(len(prompts)), key=lambda i: -priorities[i])
+    done: dict[str, list[int]] = {}
+    for step in range(3000):
+        if order and step % 2 == 0:
+            i = order.pop(0)
+            engine.add_request(str(i), prompts[i], params, priority=priorities[i])
+        if not order and not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    else:
+        raise AssertionError(f"requests did not finish within 3000 steps; finished: {sorted(done)}")
+    core = engine.core
+    assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks, "KV blocks leaked"
+    return [done[str(i)] for i in range(len(prompts))], core
+
+
 def check_policy_engine(name: str, model_dir: str | Path, plugin_config: dict[str, Any] | None = None) -> None:
-    """Through ``LLM``: on a pool of 10 blocks the policy preempts, yet the greedy tokens equal
-    an FCFS run that never preempts."""
+    """Through ``LLM``: on a pool of 10 blocks the policy preempts, and with staggered arrivals
+    landing mid-prefill it may preempt in the step that booked a chunk; either way the greedy
+    tokens equal an FCFS run that never preempts."""
     model_dir = str(model_dir)
     key = (model_dir, "fcfs")
     if key not in _ENGINE_BASELINES:
@@ -234,8 +336,12 @@ def check_policy_engine(name: str, model_dir: str | Path, plugin_config: dict[st
         model_dir, scheduling_policy=name, num_kv_blocks=10, plugin_config=plugin_config or {}
     )
     assert core.scheduler.num_preemptions > 0, f"{name}: a 10-block pool should have forced preemption"
-    diff = [i for i, (a, b) in enumerate(zip(tokens, _ENGINE_BASELINES[key])) if a != b]
-    assert not diff, f"{name}: prompts {diff} gave different greedy tokens than the un-preempted FCFS run"
+    staggered, _ = _engine_tokens_staggered(
+        model_dir, scheduling_policy=name, num_kv_blocks=64, plugin_config=plugin_config or {}
+    )
+    for label, run in (("a 10-block pool", tokens), ("staggered arrivals", staggered)):
+        diff = [i for i, (a, b) in enumerate(zip(run, _ENGINE_BASELINES[key])) if a != b]
+        assert not diff, f"{name}: with {label} prompts {diff} gave different greedy tokens than the un-preempted FCFS run"
 
 
 # =============================================================================================
