@@ -13,6 +13,7 @@ the next command, so an idle engine costs nothing::
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +24,11 @@ from pagelm.request import Request
 from pagelm.sampling_params import SamplingParams
 from pagelm.worker.output import LogprobsLists
 
-# Commands, as (kind, payload) tuples.
-ADD, ABORT, STOP, SHUTDOWN = "add", "abort", "stop", "shutdown"
+# Commands, as (kind, payload) tuples. REJECT: (request id, why) for an ADD whose payload
+# could not even be decoded into a Request.
+ADD, ABORT, STOP, SHUTDOWN, REJECT = "add", "abort", "stop", "shutdown", "reject"
+
+logger = logging.getLogger("pagelm")
 
 
 @dataclass
@@ -76,9 +80,14 @@ def run_core_loop(
     (waiting for at least one when ``block``)."""
     while True:
         commands = inbox(not core.has_unfinished_requests())
+        rejected: list[EngineCoreOutput] = []
         for kind, payload in commands:
             if kind == ADD:
-                core.add_request(payload)
+                error = _try_add(core, payload)
+                if error is not None:
+                    rejected.append(error)
+            elif kind == REJECT:
+                rejected.append(_error_output(*payload))
             elif kind == ABORT:
                 core.abort_requests(payload)
             elif kind == STOP:
@@ -89,7 +98,22 @@ def run_core_loop(
                 raise ValueError(f"unknown engine core command {kind!r}")
         # Also runs after an abort left nothing to do: the runner drops the request's state
         # and the published stats show its blocks free again.
-        publish(core.step(), SchedulerStats.of(core))
+        publish(rejected + core.step(), SchedulerStats.of(core))
+
+
+def _try_add(core: EngineCore, request: Request) -> EngineCoreOutput | None:
+    """Add one request; a request the engine core cannot take fails alone (its error goes
+    out with the step's outputs) instead of stopping the loop that serves everyone."""
+    try:
+        core.add_request(request)
+    except Exception as exc:
+        logger.warning("engine core rejected request %s: %s: %s", request.request_id, type(exc).__name__, exc)
+        return _error_output(request.request_id, f"{type(exc).__name__}: {exc}")
+    return None
+
+
+def _error_output(request_id: str, error: str) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id, [], finish_reason="error", error=error)
 
 
 # ---- wire format (msgpack-able plain data) ------------------------------------------------

@@ -25,6 +25,7 @@ import msgpack
 from pagelm.config import EngineConfig
 from pagelm.engine.core_loop import (
     ADD,
+    REJECT,
     SHUTDOWN,
     decode_request,
     encode_outputs,
@@ -137,7 +138,7 @@ def serve(conn: MsgSocket) -> int:
             msgs = conn.recv(block)
         except EOFError:
             return [(SHUTDOWN, None)]
-        return [(kind, decode_request(p, hasher) if kind == ADD else p) for kind, p in msgs]
+        return [_decode_command(kind, p, hasher) for kind, p in msgs]
 
     def publish(outputs, stats) -> None:
         conn.publish(encode_outputs(outputs), encode_stats(stats))
@@ -156,6 +157,18 @@ def serve(conn: MsgSocket) -> int:
     finally:
         core.shutdown()
     return 0
+
+
+def _decode_command(kind: str, payload, hasher) -> tuple:
+    """An ADD's payload becomes a Request; one that does not (a field the API process should
+    have rejected) becomes a REJECT of that request alone."""
+    if kind != ADD:
+        return kind, payload
+    try:
+        return ADD, decode_request(payload, hasher)
+    except Exception as exc:
+        req_id = payload[0] if isinstance(payload, list) and payload and isinstance(payload[0], str) else "?"
+        return REJECT, (req_id, f"invalid request: {type(exc).__name__}: {exc}")
 
 
 def _freeze_heap() -> None:

@@ -203,7 +203,24 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a request, or raise ``ValueError`` with nothing queued. The API process has
+        validated it already; these checks keep one bad request (another client, a bug there)
+        from reaching the step loop that serves everyone."""
+        self._check_request(request)
         self.scheduler.add_request(request)
+
+    def _check_request(self, request: Request) -> None:
+        ids = request.prompt_token_ids
+        if not ids:
+            raise ValueError(f"request {request.request_id}: the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: {len(ids)} prompt tokens leave no room under max_model_len={self.max_model_len}"
+            )
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"request {request.request_id}: prompt token ids must be in [0, {self.vocab_size})")
+        if request.max_tokens is not None and request.max_tokens < 1:
+            raise ValueError(f"request {request.request_id}: max_tokens must be >= 1, got {request.max_tokens}")
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):

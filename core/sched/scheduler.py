@@ -72,12 +72,15 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self.requests[request.request_id] = request
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
         if request.use_structured_output:
             assert self.structured_output is not None, "guided decoding needs a StructuredOutputManager"
             if not self.structured_output.submit(request):  # not cached: compiling
                 request.status = RequestStatus.WAITING_FOR_GRAMMAR
+                self.requests[request.request_id] = request
                 return
+        self.requests[request.request_id] = request
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
