@@ -161,11 +161,6 @@ class Request:
     def use_structured_output(self) -> bool:
         return self.sampling_params.guided_decoding is not None
 
-    @property
-    def is_prefill_done(self) -> bool:
-        """True once every known token has its KV computed except the newest sampled one."""
-        return self.num_computed_tokens >= self.num_tokens - 1 and self.num_output_tokens > 0
-
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, "

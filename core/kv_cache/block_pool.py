@@ -143,11 +143,3 @@ class BlockPool:
         for block in blocks:
             self._evict(block)
         return entries
-
-    def reset_prefix_cache(self) -> bool:
-        if self.num_free_blocks != self.num_blocks:
-            return False
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached_blocks.clear()
-        return True

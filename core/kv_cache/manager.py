@@ -139,6 +139,3 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
-
-    def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()

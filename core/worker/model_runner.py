@@ -8,8 +8,8 @@ runs the model (or replays a CUDA graph for a decode batch), samples the last to
 request and returns plain lists.
 
 A step is ``launch`` (queue all of that, and the copy of the sampled ids to host memory) then
-``finish`` (wait for that copy: the one host sync per step). ``execute_model`` does both; with
-async scheduling the engine launches the next step before finishing this one (see
+``finish`` (wait for that copy: the one host sync per step); with async scheduling the
+engine launches the next step before finishing this one (see
 ``pagelm.worker.pending_step``).
 
 Start-up, in the order ``EngineCore`` calls it: ``profile_run`` (peak memory of a worst-case
@@ -229,11 +229,6 @@ class ModelRunner:
                 state.block_ids.extend(cached.new_block_ids)
 
     # ---- one step ------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step to the end: ``launch`` it, then ``finish`` it."""
-        return self.finish(self.launch(sched))
-
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> PendingStep:
         """Queue one step on the device: its inputs, the forward pass, sampling, and the copy of
