@@ -17,6 +17,7 @@ _LAZY = {
     "Logprob": ("pagelm.outputs", "Logprob"),
     "AttentionBackend": ("pagelm.attention", "AttentionBackend"),
     "SchedulingPolicy": ("pagelm.sched.policy", "SchedulingPolicy"),
+    "RequestQueue": ("pagelm.sched.request_queue", "RequestQueue"),
     "StructuredOutputBackend": ("pagelm.structured_output", "StructuredOutputBackend"),
     "StructuredOutputGrammar": ("pagelm.structured_output", "StructuredOutputGrammar"),
     "CompiledGrammar": ("pagelm.structured_output", "CompiledGrammar"),

@@ -22,7 +22,9 @@ from typing import Any
 # 1.1 added the pagelm_register_proposers and pagelm_register_structured_output_backends
 # hooks and the optional AttentionMetadataBuilder methods (build_for_cudagraph,
 # prepare_cudagraph_replay, bind_layers).
-PLUGIN_API_VERSION = "1.1"
+# 2.0 split the scheduling-policy contract: the waiting queue is a RequestQueue the policy
+# makes (make_queue), the policy ranks (rank) and picks victims (docs/plugins.md, migration).
+PLUGIN_API_VERSION = "2.0"
 PLUGIN_API_ATTRIBUTE = "PAGELM_PLUGIN_API"
 
 _VERSION_RE = re.compile(r"^(\d+)(?:\.(\d+))?$")

@@ -8,6 +8,7 @@ from pagelm.backends.torch import TorchAttentionBackend
 from pagelm.backends.torch.backend import TorchAttentionImpl
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.policies.fcfs import FCFSPolicy
+from pagelm.sched.request_queue import FIFOQueue
 from pagelm.testing.conformance import (
     check_attention_backend,
     check_attention_kernels,
@@ -29,18 +30,28 @@ def test_torch_backend_conforms(llama_dir):
 # ---- the kit catches broken plugins ---------------------------------------------------------
 
 
+class ForgetfulQueue(FIFOQueue):
+    def prepend(self, request):
+        pass  # loses the request
+
+
 class ForgetsPreempted(FCFSPolicy):
     name = "forgets_preempted"
 
-    def prepend(self, request):
-        pass  # loses the request
+    def make_queue(self):
+        return ForgetfulQueue()
+
+
+class BackToFrontQueue(FIFOQueue):
+    def peek(self):
+        return self._queue[-1]
 
 
 class PeekIsNotPop(FCFSPolicy):
     name = "peek_is_not_pop"
 
-    def peek(self):
-        return self._queue[-1]
+    def make_queue(self):
+        return BackToFrontQueue()
 
 
 class ScaledImpl(TorchAttentionImpl):

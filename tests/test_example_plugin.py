@@ -47,7 +47,7 @@ def test_pagelm_plugins_lists_the_installed_example(installed):
     row = next(r for r in rows if r["name"] == "fairshare")
     assert row["kind"] == "scheduling policy"
     assert row["registers"] == {"scheduling policy": ["fairshare"]}
-    assert (row["package"], row["version"], row["plugin_api"], row["status"]) == ("pagelm-fairshare", "0.1.0", "1.0", "loaded")
+    assert (row["package"], row["version"], row["plugin_api"], row["status"]) == ("pagelm-fairshare", "0.1.0", "2.0", "loaded")
 
 
 def test_llm_applies_the_example_policy(installed, llama_dir):

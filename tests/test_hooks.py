@@ -14,6 +14,7 @@ from pagelm.backends.torch import TorchAttentionBackend
 from pagelm.models import LlamaForCausalLM
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.policies.fcfs import FCFSPolicy
+from pagelm.sched.request_queue import RankedQueue
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = sorted(name for name in vars(hookspecs) if name.startswith("pagelm_"))
@@ -85,8 +86,11 @@ def test_hook_pagelm_register_attention_backends(llama_dir, plugin):
 class NewestFirst(FCFSPolicy):
     name = "newest_first"
 
-    def add(self, request):
-        self._queue.appendleft(request)
+    def rank(self, request):
+        return -request.arrival_time
+
+    def make_queue(self):
+        return RankedQueue(self.rank)
 
 
 def test_hook_pagelm_register_scheduling_policies(llama_dir, plugin):
@@ -97,7 +101,7 @@ def test_hook_pagelm_register_scheduling_policies(llama_dir, plugin):
 
     plugin(P())
     llm, outs = generate(llama_dir, prompts=3, max_num_seqs=1, scheduling_policy="newest_first")
-    assert type(llm.engine.core.scheduler.waiting) is NewestFirst
+    assert type(llm.engine.core.scheduler.policy) is NewestFirst
     firsts = [o.metrics.first_token_time for o in outs]
     assert firsts[2] < firsts[1] < firsts[0]
 

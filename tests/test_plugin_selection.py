@@ -4,16 +4,16 @@ import pytest
 
 from pagelm import LLM, SamplingParams, hookimpl
 from pagelm.plugin_manager import get_plugin_manager
-from pagelm.plugins.policies.fcfs import FCFSPolicy
+from pagelm.sched.policy import SchedulingPolicy
 
 
-class LIFOPolicy(FCFSPolicy):
+class LIFOPolicy(SchedulingPolicy):
     """Admits the newest waiting request first."""
 
     name = "lifo_test"
 
-    def add(self, request):
-        self._queue.appendleft(request)
+    def rank(self, request):
+        return -request.arrival_time
 
 
 class Recorder:

@@ -32,7 +32,7 @@ GOOD_PLUGIN = """
     from pagelm import hookimpl
     from pagelm.plugins.policies.fcfs import FCFSPolicy
 
-    PAGELM_PLUGIN_API = "1.0"
+    PAGELM_PLUGIN_API = "2.0"
 
     class LIFO(FCFSPolicy):
         name = "lifo_from_dist"
@@ -131,7 +131,7 @@ def test_loading_is_idempotent():
 
 
 def plugin_declaring(version):
-    return GOOD_PLUGIN.replace('PAGELM_PLUGIN_API = "1.0"', f"PAGELM_PLUGIN_API = {version!r}")
+    return GOOD_PLUGIN.replace('PAGELM_PLUGIN_API = "2.0"', f"PAGELM_PLUGIN_API = {version!r}")
 
 
 def test_declared_api_version_is_recorded(tmp_path, monkeypatch):
@@ -140,20 +140,20 @@ def test_declared_api_version_is_recorded(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a declaring plugin loads without a warning
         pm.load_entry_points()
-    assert pm.loaded["pagelm_lifo"].api_version == "1.0"
-    assert pm.loaded["fcfs"].api_version == "1.0"  # written against 1.0, loads on a newer minor
-    assert pm.loaded["ngram"].api_version == PLUGIN_API_VERSION == "1.1"
+    assert pm.loaded["pagelm_lifo"].api_version == "2.0"
+    assert pm.loaded["fcfs"].api_version == PLUGIN_API_VERSION == "2.0"
 
 
 def test_plugin_for_another_major_api_is_rejected_naming_both_versions(tmp_path, monkeypatch):
-    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("2.0"))
-    with pytest.raises(PluginLoadError, match=r"'pagelm_lifo'.*incompatible.*plugin API 2\.0.*provides plugin API 1\.1"):
+    # 1.x policies kept the waiting queue on the policy: they cannot run on 2.0.
+    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("1.1"))
+    with pytest.raises(PluginLoadError, match=r"'pagelm_lifo'.*incompatible.*plugin API 1\.1.*provides plugin API 2\.0"):
         PluginManager().load_entry_points()
 
 
 def test_plugin_needing_a_newer_minor_api_is_rejected(tmp_path, monkeypatch):
-    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("1.7"))
-    with pytest.raises(PluginLoadError, match=r"declares plugin API 1\.7, newer than this pagelm's plugin API 1\.1"):
+    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("2.7"))
+    with pytest.raises(PluginLoadError, match=r"declares plugin API 2\.7, newer than this pagelm's plugin API 2\.0"):
         PluginManager().load_entry_points()
 
 
@@ -172,7 +172,7 @@ def test_api_compatibility_rule(declared, provided, ok):
 
 
 def test_undeclared_api_version_loads_with_a_warning(tmp_path, monkeypatch):
-    source = GOOD_PLUGIN.replace('PAGELM_PLUGIN_API = "1.0"', "")
+    source = GOOD_PLUGIN.replace('PAGELM_PLUGIN_API = "2.0"', "")
     install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", source)
     pm = PluginManager()
     with pytest.warns(UserWarning, match=r"'pagelm_lifo'.*does not declare PAGELM_PLUGIN_API"):
@@ -197,11 +197,11 @@ def test_registry_rejects_an_entry_of_the_wrong_kind():
 
 
 def test_non_strict_loading_records_broken_plugins(tmp_path, monkeypatch):
-    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("2.0"))
+    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("3.0"))
     pm = PluginManager()
     pm.load_entry_points(strict=False)
     info, why = pm.not_loaded["pagelm_lifo"]
-    assert why.startswith("error:") and "plugin API 2.0" in why
+    assert why.startswith("error:") and "plugin API 3.0" in why
     assert "fcfs" in pm.scheduling_policies()
 
 
@@ -223,7 +223,7 @@ def test_cli_lists_builtin_plugins_with_kind_package_and_version(capsys):
     import pagelm
 
     mine = ("fcfs", "priority", "sjf", "torch_attention", "models")
-    assert {(rows[n]["package"], rows[n]["version"], rows[n]["plugin_api"]) for n in mine} == {("pagelm", pagelm.__version__, "1.0")}
+    assert {(rows[n]["package"], rows[n]["version"], rows[n]["plugin_api"]) for n in mine} == {("pagelm", pagelm.__version__, "2.0")}
 
 
 def test_cli_lists_third_party_broken_and_disabled_plugins(tmp_path, monkeypatch, capsys):
@@ -242,4 +242,4 @@ def test_cli_table_names_the_columns(capsys):
     assert cli_main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert out.split()[:7] == ["name", "kind", "registers", "package", "version", "api", "status"]
-    assert "pagelm plugin API 1.1" in out
+    assert "pagelm plugin API 2.0" in out

@@ -143,13 +143,13 @@ def test_sjf_uses_the_output_length_predictor():
 
 def test_sjf_aging_bound_a_request_is_not_overtaken_after_w_over_a_seconds():
     # Work of "long": 100 prompt + 100 output = 200 tokens; a = 10 tokens/s -> 20 s.
-    policy = SJFPolicy(EngineConfig(model="unused", plugin_config={"sjf": {"aging_tokens_per_s": 10}}))
+    queue = SJFPolicy(EngineConfig(model="unused", plugin_config={"sjf": {"aging_tokens_per_s": 10}})).make_queue()
     long = make_request("long", 100, 100, arrival=0.0)
-    policy.add(long)
+    queue.add(long)
     shorts = [make_request(f"s{t}", 1, 1, arrival=float(t)) for t in range(0, 40, 2)]
     for r in shorts:
-        policy.add(r)
-    order = [r.request_id for r in policy]
+        queue.add(r)
+    order = [r.request_id for r in queue]
     overtook = order[: order.index("long")]
     assert overtook == [f"s{t}" for t in range(0, 20, 2)]  # only those arriving before t + W/a = 20 s
 

@@ -1,31 +1,43 @@
-"""The scheduling-policy contract: the shape of the waiting queue and who gets preempted.
+"""The scheduling-policy contract (version 2): who goes first and who gives way.
 
-The scheduler owns the mechanism (token budget, KV allocation, chunking, preemption); a
-policy only decides order and who gives way. Built-in and third-party policies register
-through ``pagelm_register_scheduling_policies`` and are chosen with ``scheduling_policy=<name>``.
+The scheduler owns the mechanism (token budget, KV allocation, chunking, preemption, the
+progress guarantee); a policy only decides order and victims. Built-in and third-party
+policies register through ``pagelm_register_scheduling_policies`` and are chosen with
+``scheduling_policy=<name>``. A policy has two parts:
 
-Two preemption questions reach the policy:
+* its **waiting queue** (``make_queue() -> RequestQueue``, see :mod:`pagelm.sched.request_queue`):
+  by default a heap on ``rank``; FCFS keeps a plain deque, and a policy whose order is not a
+  static key (fair share) brings its own queue;
+* its **ranking and victim rule**: ``rank(request)`` (smaller goes first), and the two
+  preemption questions:
 
-* ``select_victim(running)``: a *running* request needs KV slots and the pool is full; which
-  running request is preempted (it may be the one asking).
-* ``select_victim_for(request, running)``: the *waiting* head cannot be admitted (no KV room,
-  or ``max_num_seqs`` running); return a running request to preempt in its favour, or None to
-  let it wait. The default is None (no running request is ever preempted for a waiting one).
+  - ``select_victim(running)``: a *running* request needs KV slots and the pool is full;
+    which running request is preempted (it may be the one asking). Default: the one ranked
+    last, the newest among equals.
+  - ``select_victim_for(request, running)``: the *waiting* head cannot be admitted (no KV
+    room, or ``max_num_seqs`` running); a running request to preempt in its favour, or None
+    to let it wait (the default).
+
+Version 1 had the queue methods on the policy itself (``Scheduler.waiting`` *was* the
+policy); ``docs/plugins.md`` has the migration note.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pagelm.sched.request_queue import RankedQueue, RequestQueue
 
 if TYPE_CHECKING:
     from pagelm.config import EngineConfig
     from pagelm.request import Request
 
+POLICY_CONTRACT_VERSION = 2
+
 
 class SchedulingPolicy(ABC):
-    """A queue of waiting requests in admission order, plus the victim rule."""
+    """Ranks requests, makes the waiting queue and picks preemption victims."""
 
     name: ClassVar[str]
 
@@ -38,41 +50,25 @@ class SchedulingPolicy(ABC):
         return []
 
     @abstractmethod
-    def add(self, request: "Request") -> None:
-        """A new request arrives."""
+    def rank(self, request: "Request") -> Any:
+        """A sort key: smaller ranks are admitted first and preempted last."""
 
-    @abstractmethod
-    def prepend(self, request: "Request") -> None:
-        """A preempted request comes back; it should not lose its place to newer arrivals."""
+    def make_queue(self) -> RequestQueue:
+        """The scheduler's waiting queue, made once per engine. Default: a heap on ``rank``
+        (which is read once, when a request is queued)."""
+        return RankedQueue(self.rank)
 
-    @abstractmethod
-    def peek(self) -> "Request":
-        """The next request to admit (the queue is not empty)."""
-
-    @abstractmethod
-    def pop(self) -> "Request":
-        """Remove and return what ``peek`` returns."""
-
-    @abstractmethod
-    def remove(self, request: "Request") -> None:
-        """Drop a request (aborted while waiting)."""
-
-    @abstractmethod
-    def __iter__(self) -> Iterator["Request"]:
-        """Waiting requests in admission order."""
-
-    @abstractmethod
-    def __len__(self) -> int: ...
-
-    @abstractmethod
     def select_victim(self, running: list["Request"]) -> "Request":
         """Which running request to preempt when the KV pool is full (``running`` is in
-        admission order and not empty)."""
+        admission order and not empty). Default: the one ranked last, among equals the one
+        admitted last."""
+        return max(reversed(running), key=self.rank)
 
     def select_victim_for(self, request: "Request", running: list["Request"]) -> "Request | None":
         """``request`` (the head of the queue) cannot be admitted for lack of KV blocks or
         because ``max_num_seqs`` requests run: a running request to preempt for it, or None
         to wait. The scheduler asks again after each preemption until the request fits or
-        this returns None, so a victim must rank strictly below ``request`` or the two could
-        displace each other forever."""
+        this returns None. A victim should rank strictly below ``request``: two requests that
+        displace each other only progress because the scheduler stops offering a request
+        preempted ``max_stalled_preemptions`` times without a token."""
         return None

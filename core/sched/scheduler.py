@@ -47,7 +47,8 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
-        self.waiting = policy
+        self.policy = policy
+        self.waiting = policy.make_queue()
         self.max_model_len = max_model_len
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -336,7 +337,7 @@ class Scheduler:
         protected: then the newest unprotected running request (``req`` itself if none is
         newer), or the newest of all if every one is protected. The oldest running request
         is then never the victim while another runs, so it always finishes: progress."""
-        victim = self.waiting.select_victim(self.running)
+        victim = self.policy.select_victim(self.running)
         self._check_victim(victim)
         if not self._protected(victim):
             return victim
@@ -346,7 +347,7 @@ class Scheduler:
     def _victim_for_waiting(self, req: Request) -> Request | None:
         """The policy's victim in favour of the waiting head ``req``; a protected one is
         refused (the head waits)."""
-        victim = self.waiting.select_victim_for(req, self.running)
+        victim = self.policy.select_victim_for(req, self.running)
         if victim is None:
             return None
         self._check_victim(victim)
@@ -355,8 +356,8 @@ class Scheduler:
     def _check_victim(self, victim: Request) -> None:
         if victim not in self.running:
             raise RuntimeError(
-                f"scheduling_policy={self.config.scheduling_policy!r} ({type(self.waiting).__module__}."
-                f"{type(self.waiting).__qualname__}) chose a victim that is not running: {victim!r}"
+                f"scheduling_policy={self.config.scheduling_policy!r} ({type(self.policy).__module__}."
+                f"{type(self.policy).__qualname__}) chose a victim that is not running: {victim!r}"
             )
 
     # ---- after the forward pass ----------------------------------------------------------

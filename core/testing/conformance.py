@@ -8,8 +8,9 @@ with a message saying what broke. Call them from your own tests::
 Scheduling policies (``check_scheduling_policy``):
 
 * the class is a registered ``SchedulingPolicy`` and ``validate`` returns a list of strings;
-* queue semantics: ``add``/``peek``/``pop``/``remove``/``prepend``/``__iter__``/``__len__``
-  agree with each other, and victims are running requests;
+* queue semantics: the ``RequestQueue`` from ``make_queue()``: ``add``/``peek``/``pop``/
+  ``remove``/``prepend``/``__iter__``/``__len__`` agree with each other, and victims are
+  running requests;
 * driven through the real scheduler and KV cache manager with a fake model, under a roomy
   pool, a tight pool (constant preemption), ``max_num_seqs=2`` with late arrivals, and
   late arrivals landing mid-prefill that preempt the policy's own victim (forced): every
@@ -45,6 +46,7 @@ from pagelm.plugin_manager import get_plugin_manager
 from pagelm.request import Request, RequestStatus
 from pagelm.sampling_params import SamplingParams
 from pagelm.sched.policy import SchedulingPolicy
+from pagelm.sched.request_queue import RequestQueue
 from pagelm.sched.scheduler import Scheduler
 from pagelm.spec_decode import Proposer
 from pagelm.worker.output import ModelRunnerOutput
@@ -110,7 +112,8 @@ def _request(
 
 
 def check_policy_queue(name: str, plugin_config: dict[str, Any] | None = None) -> None:
-    """The queue methods agree with each other."""
+    """The policy's queue (``make_queue``): its methods agree with each other; victims are
+    running requests."""
     cls = _policy_class(name)
     config = _config(name, plugin_config)
     problems = cls.validate(config)
@@ -119,28 +122,30 @@ def check_policy_queue(name: str, plugin_config: dict[str, Any] | None = None) -
     )
     assert not problems, f"{name}.validate() rejects a default config: {problems}"
     policy = cls(config)
+    queue = policy.make_queue()
+    assert isinstance(queue, RequestQueue), f"{name}.make_queue() must return a RequestQueue, got {queue!r}"
     reqs = [_request(str(i), 3 + 5 * (i % 3), 2 + 7 * (i % 4), priority=i % 3, arrival=float(i)) for i in range(8)]
     for r in reqs:
-        policy.add(r)
-    assert len(policy) == len(reqs), f"{name}: len() is {len(policy)} after {len(reqs)} add()s"
-    order = list(policy)
+        queue.add(r)
+    assert len(queue) == len(reqs), f"{name}: len() is {len(queue)} after {len(reqs)} add()s"
+    order = list(queue)
     assert sorted(r.request_id for r in order) == sorted(r.request_id for r in reqs), (
         f"{name}: iteration must yield every waiting request exactly once, got {[r.request_id for r in order]}"
     )
-    assert policy.peek() is order[0], f"{name}: peek() must be the first request of the iteration order"
-    first = policy.pop()
-    assert first is order[0] and len(policy) == len(reqs) - 1, f"{name}: pop() must remove and return peek()"
-    policy.remove(order[-1])
-    assert order[-1] not in list(policy) and len(policy) == len(reqs) - 2, f"{name}: remove() did not remove"
+    assert queue.peek() is order[0], f"{name}: peek() must be the first request of the iteration order"
+    first = queue.pop()
+    assert first is order[0] and len(queue) == len(reqs) - 1, f"{name}: pop() must remove and return peek()"
+    queue.remove(order[-1])
+    assert order[-1] not in list(queue) and len(queue) == len(reqs) - 2, f"{name}: remove() did not remove"
     first.status = RequestStatus.PREEMPTED
-    policy.prepend(first)
-    assert first in list(policy) and len(policy) == len(reqs) - 1, f"{name}: prepend() must re-queue the request"
+    queue.prepend(first)
+    assert first in list(queue) and len(queue) == len(reqs) - 1, f"{name}: prepend() must re-queue the request"
     running = reqs[:4]
     for r in running:
         r.status = RequestStatus.RUNNING
     victim = policy.select_victim(running)
     assert victim in running, f"{name}: select_victim() returned {victim!r}, not a running request"
-    victim = policy.select_victim_for(policy.peek(), running)
+    victim = policy.select_victim_for(queue.peek(), running)
     assert victim is None or victim in running, f"{name}: select_victim_for() returned a request that is not running"
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from pagelm import hookimpl
 from pagelm.request import Request
-from pagelm.sched.ranked_queue import RankedQueuePolicy
+from pagelm.sched.policy import SchedulingPolicy
 
-PAGELM_PLUGIN_API = "1.0"
+PAGELM_PLUGIN_API = "2.0"
 
 
-class PriorityPolicy(RankedQueuePolicy):
+class PriorityPolicy(SchedulingPolicy):
     name = "priority"
 
     def rank(self, request: Request) -> tuple[int, float]:

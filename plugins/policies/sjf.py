@@ -28,9 +28,9 @@ from typing import Any
 
 from pagelm import hookimpl
 from pagelm.request import Request
-from pagelm.sched.ranked_queue import RankedQueuePolicy
+from pagelm.sched.policy import SchedulingPolicy
 
-PAGELM_PLUGIN_API = "1.0"
+PAGELM_PLUGIN_API = "2.0"
 
 DEFAULT_AGING_TOKENS_PER_S = 100.0
 # Expected output of a request without max_tokens and without a predictor.
@@ -50,7 +50,7 @@ def _load_predictor(spec: OutputPredictor | str | None) -> OutputPredictor | Non
     return getattr(importlib.import_module(module), attr)
 
 
-class SJFPolicy(RankedQueuePolicy):
+class SJFPolicy(SchedulingPolicy):
     name = "sjf"
 
     def __init__(self, config) -> None:

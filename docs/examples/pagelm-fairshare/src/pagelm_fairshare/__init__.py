@@ -5,7 +5,7 @@ from pagelm import hookimpl
 from pagelm_fairshare.policy import FairSharePolicy
 
 # The pagelm plugin API this plugin was written against (a literal, see pagelm.plugin_api).
-PAGELM_PLUGIN_API = "1.0"
+PAGELM_PLUGIN_API = "2.0"
 
 __all__ = ["FairSharePolicy"]
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 from pagelm.request import Request
 from pagelm.sched.policy import SchedulingPolicy
+from pagelm.sched.request_queue import RequestQueue
 
 DEFAULT_TENANT = "default"
 
@@ -24,15 +25,14 @@ def _settings(config) -> dict:
 
 
 class FairSharePolicy(SchedulingPolicy):
+    """Ranks a request by its tenant's weighted service so far; its queue (``FairShareQueue``)
+    keeps that accounting, so the order changes as requests are admitted."""
+
     name = "fairshare"
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        self.weights: dict[str, float] = dict(_settings(config).get("weights") or {})
-        self._queues: dict[str, deque[Request]] = {}
-        # Weighted tokens admitted per tenant.
-        self.service: dict[str, float] = {}
-        self._len = 0
+        self.queue = FairShareQueue(dict(_settings(config).get("weights") or {}))
 
     @classmethod
     def validate(cls, config) -> list[str]:
@@ -50,7 +50,24 @@ class FairSharePolicy(SchedulingPolicy):
                 problems.append(f"fairshare weights must be numbers > 0, got {bad}")
         return problems
 
-    # ---- accounting ----------------------------------------------------------------------
+    def rank(self, request: Request) -> float:
+        """The tenant's service: the most-served tenant's request gives way first."""
+        return self.queue.service.get(tenant_of(request), 0.0)
+
+    def make_queue(self) -> RequestQueue:
+        return self.queue
+
+
+class FairShareQueue(RequestQueue):
+    """One FIFO per tenant; the tenant with the least weighted service goes next."""
+
+    def __init__(self, weights: dict[str, float]) -> None:
+        self.weights = weights
+        self._queues: dict[str, deque[Request]] = {}
+        # Weighted tokens admitted per tenant.
+        self.service: dict[str, float] = {}
+        self._len = 0
+
     def _cost(self, request: Request) -> float:
         tokens = request.num_prompt_tokens + (request.max_tokens or 0)
         return tokens / self.weights.get(tenant_of(request), 1.0)
@@ -60,7 +77,6 @@ class FairSharePolicy(SchedulingPolicy):
         active = [t for t, q in queues.items() if q]
         return min(active, key=lambda t: (service[t], queues[t][0].arrival_time))
 
-    # ---- the queue -----------------------------------------------------------------------
     def add(self, request: Request) -> None:
         tenant = tenant_of(request)
         queue = self._queues.setdefault(tenant, deque())
@@ -104,6 +120,3 @@ class FairSharePolicy(SchedulingPolicy):
 
     def __len__(self) -> int:
         return self._len
-
-    def select_victim(self, running: list[Request]) -> Request:
-        return max(reversed(running), key=lambda r: self.service.get(tenant_of(r), 0.0))
