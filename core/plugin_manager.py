@@ -190,10 +190,11 @@ class PluginManager:
 
 def _registry_kinds() -> dict[str, tuple[str, type | None]]:
     """Plugin kind -> (registration hook, the ABC its entries must subclass)."""
-    from pagelm.attention import AttentionBackend
+    # The contract modules themselves, not their packages (which import the engine parts).
+    from pagelm.attention.backend import AttentionBackend
     from pagelm.sched.policy import SchedulingPolicy
-    from pagelm.spec_decode import Proposer
-    from pagelm.structured_output import StructuredOutputBackend
+    from pagelm.spec_decode.proposer import Proposer
+    from pagelm.structured_output.backend import StructuredOutputBackend
 
     return {
         "attention backend": ("pagelm_register_attention_backends", AttentionBackend),

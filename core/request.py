@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from pagelm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagelm.structured_output import StructuredOutputGrammar
+    from pagelm.structured_output.backend import StructuredOutputGrammar
 
 
 class RequestStatus(enum.IntEnum):

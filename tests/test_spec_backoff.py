@@ -188,7 +188,7 @@ def test_a_new_request_on_a_backed_off_row_drafts_from_its_first_step(llama_dir,
 def test_a_different_request_state_on_a_row_resets_it(llama_dir):
     """A request resumed after preemption comes back as a new state object, possibly on the
     row it had: its backoff (and token table) start over."""
-    from pagelm.worker.model_runner import CachedRequestState
+    from pagelm.worker.step_state import CachedRequestState
 
     llm = LLM(str(llama_dir), dtype="float32", block_size=8, speculative_config=NGRAM)
     spec = llm.engine.core.runner.spec

@@ -18,7 +18,7 @@ from pagelm import LLM, SamplingParams
 from pagelm.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
 from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner
 from pagelm.worker.input_buffers import InputBuffers
-from pagelm.worker.model_runner import CachedRequestState
+from pagelm.worker.step_state import CachedRequestState
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,33 +43,11 @@ from pagelm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagelm.worker.input_buffers import InputBuffers
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
 from pagelm.worker.pending_step import PLACEHOLDER_TOKEN, PendingStep, logprobs_lists
+from pagelm.worker.step_state import CachedRequestState, StepInputs, host_sync_point
 from pagelm.worker.sampling_inputs import build_sampling_metadata, to_device
 from pagelm.worker.spec_decode import SpecDecodeRunner
 
 logger = logging.getLogger("pagelm")
-
-
-@dataclass
-class CachedRequestState:
-    req_id: str
-    token_ids: list[int]  # prompt + outputs so far (a step in flight: PLACEHOLDER_TOKEN)
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    need_prompt_logprobs: bool
-    output_token_ids: list[int] = field(default_factory=list)
-    row: int = -1  # this request's row in the runner's CPU block table
-
-
-@dataclass
-class StepInputs:
-    num_reqs: int
-    num_tokens: int
-    common: CommonAttentionMetadata
-    input_ids: torch.Tensor | None  # None: a graph replay reads its own staging
-    positions: torch.Tensor | None
-    uniform_decode: bool  # one token per request: hidden row i is request i's last token
-    graph_size: int | None = None  # replay the CUDA graph of this (padded) batch size
 
 
 class ModelRunner:
@@ -554,21 +530,6 @@ def common_prefix_blocks(
     same = (block_table[:, :limit] == block_table[0, :limit]).all(axis=0)
     num = limit if same.all() else int(same.argmin())
     return num if num >= min_blocks else 0
-
-
-@contextmanager
-def host_sync_point():
-    """Marks the step's deliberate device-to-host reads. GPU tests decode under
-    ``torch.cuda.set_sync_debug_mode("error")`` to prove that nothing else synchronises."""
-    mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
-    if not mode:
-        yield
-        return
-    torch.cuda.set_sync_debug_mode(0)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(mode)
 
 
 def chosen_and_top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobsTensors:

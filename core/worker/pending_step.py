@@ -24,7 +24,7 @@ from pagelm.sched.output import SchedulerOutput
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
 
 if TYPE_CHECKING:
-    from pagelm.worker.model_runner import CachedRequestState, StepInputs
+    from pagelm.worker.step_state import CachedRequestState, StepInputs
 
 # Stands in a token list for a sample still on the device; never read as a real token.
 PLACEHOLDER_TOKEN = 0

@@ -45,6 +45,7 @@ from pagelm.spec_decode.proposer import ProposalBatch, Proposer, decode_attentio
 from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner, capture_sizes
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
 from pagelm.worker.sampling_inputs import build_sampling_metadata
+from pagelm.worker.step_state import host_sync_point
 
 logger = logging.getLogger("pagelm")
 
@@ -190,7 +191,7 @@ class SpecDecodeRunner:
                 logits, sched.structured_output_request_ids, req_ids, rows_of=row_start.tolist(),
                 drafts=sched.scheduled_spec_decode_tokens,
             )
-        with _host_sync_point():  # the verified tokens (and logprobs) come to the host
+        with host_sync_point():  # the verified tokens (and logprobs) come to the host
             verified = self.rejection_sampler(logits, md, [list(d) for d in drafts], runner.generator)
             prompt_logprobs = runner._prompt_logprobs(states, starts, counts, hidden, step.common)
             logprobs = _split_logprobs(verified.logprobs, states, row_start, verified.token_ids)
@@ -279,7 +280,7 @@ class SpecDecodeRunner:
         )
         # Proposing is not sync-free yet: its small host-to-device inputs, and the drafts the
         # scheduler needs back (EAGLE).
-        with _host_sync_point():
+        with host_sync_point():
             drafts = self.proposer.propose(batch)
         assert len(drafts) == n, f"proposer {self.proposer.name!r} returned {len(drafts)} draft lists for {n} requests"
         drafts = [list(d[: int(m)]) for d, m in zip(drafts, max_drafts)]
@@ -351,9 +352,6 @@ def first_token_index(step, counts: np.ndarray) -> np.ndarray:
         return np.arange(len(counts), dtype=np.int64) * q + q - counts
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
 
-
-def _host_sync_point():
-    from pagelm.worker.model_runner import host_sync_point  # the runner imports this module
 
     return host_sync_point()
 

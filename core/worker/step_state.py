@@ -1,0 +1,51 @@
+"""What the runner keeps per request and builds per step, and the marker of its deliberate
+host syncs: shared by the runner, its pending steps and the speculative runner, below all
+three so that none of them imports another to get at it."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from pagelm.attention import CommonAttentionMetadata
+from pagelm.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + outputs so far (a step in flight: PLACEHOLDER_TOKEN)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    need_prompt_logprobs: bool
+    output_token_ids: list[int] = field(default_factory=list)
+    row: int = -1  # this request's row in the runner's CPU block table
+
+
+@dataclass
+class StepInputs:
+    num_reqs: int
+    num_tokens: int
+    common: CommonAttentionMetadata
+    input_ids: torch.Tensor | None  # None: a graph replay reads its own staging
+    positions: torch.Tensor | None
+    uniform_decode: bool  # one token per request: hidden row i is request i's last token
+    graph_size: int | None = None  # replay the CUDA graph of this (padded) batch size
+
+
+@contextmanager
+def host_sync_point():
+    """Marks the step's deliberate device-to-host reads. GPU tests decode under
+    ``torch.cuda.set_sync_debug_mode("error")`` to prove that nothing else synchronises."""
+    mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
+    if not mode:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
