@@ -55,6 +55,14 @@ def pagelm_register_models(registry: "Registry") -> None:
     ``registry.add("LlamaForCausalLM", cls)``."""
 
 
+@hookspec
+def pagelm_register_cli_commands(registry: "Registry") -> None:
+    """Add ``pagelm`` subcommands: ``registry.add(name, add_parser)``, where
+    ``add_parser(subparsers)`` adds the subcommand to an argparse subparsers object and sets
+    its ``func(args) -> int``. The OpenAI server (``serve``), the benchmarks (``bench``) and
+    the simulator (``simulate``) are commands added this way."""
+
+
 # ---------------------------------------------------------------------------------------------
 # lifecycle: once per engine or per request, never per token
 # ---------------------------------------------------------------------------------------------

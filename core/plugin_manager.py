@@ -171,6 +171,9 @@ class PluginManager:
     def models(self) -> Registry:
         return self._collect("model architecture")
 
+    def cli_commands(self) -> Registry:
+        return self._collect("cli command")
+
     def registrations(self, plugin_name: str) -> dict[str, list[str]]:
         """What one loaded plugin registers: ``{kind: [names]}`` (``pagelm plugins``)."""
         plugin = self.pm.get_plugin(plugin_name)
@@ -202,6 +205,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
         "structured output backend": ("pagelm_register_structured_output_backends", StructuredOutputBackend),
         "speculative proposer": ("pagelm_register_proposers", Proposer),
         "model architecture": ("pagelm_register_models", None),
+        "cli command": ("pagelm_register_cli_commands", None),
     }
 
 

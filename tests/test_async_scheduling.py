@@ -18,7 +18,7 @@ from pagelm.engine.async_llm import AsyncLLM
 from pagelm.engine.output_processor import OutputKind
 from pagelm.kv_cache import KVCacheManager, make_block_hasher
 from pagelm.plugin_manager import get_plugin_manager
-from pagelm.bench.latency import reject_all_drafts
+from pagelm.plugins.bench.latency import reject_all_drafts
 from pagelm.plugins.policies.fcfs import FCFSPolicy
 from pagelm.plugins.spec_decode.ngram import NgramProposer
 from pagelm.request import Request, RequestStatus

@@ -9,10 +9,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from pagelm import LLM, SamplingParams
-from pagelm.bench.latency import random_prompts
-from pagelm.bench.presets import PRESETS, materialize, resolve_bench_model
-from pagelm.bench.roofline import DecodeCost, decode_avg_context, measure_copy_bandwidth
-from pagelm.bench.workload import TokenWorkload
+from pagelm.plugins.bench.latency import random_prompts
+from pagelm.plugins.bench.presets import PRESETS, materialize, resolve_bench_model
+from pagelm.plugins.bench.roofline import DecodeCost, decode_avg_context, measure_copy_bandwidth
+from pagelm.plugins.bench.workload import TokenWorkload
 from pagelm.cli import build_parser, main
 
 # ---- presets --------------------------------------------------------------------------------

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from pagelm.bench.latency import resolve_lengths, workload_prompts
-from pagelm.bench.presets import resolve_bench_model
-from pagelm.bench.workload import TokenWorkload
+from pagelm.plugins.bench.latency import resolve_lengths, workload_prompts
+from pagelm.plugins.bench.presets import resolve_bench_model
+from pagelm.plugins.bench.workload import TokenWorkload
 from pagelm.cli import build_parser, main
 from pagelm.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
 

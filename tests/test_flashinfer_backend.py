@@ -513,7 +513,7 @@ def test_engine_greedy_tokens_equal_the_reference_with_and_without_cascade(make_
 
 
 def test_shared_prefix_workload_is_one_system_prompt_and_unique_suffixes():
-    from pagelm.bench.workload import TokenWorkload
+    from pagelm.plugins.bench.workload import TokenWorkload
 
     w = TokenWorkload.shared_prefix(num_seqs=5, prefix_len=32, suffix_len=8, output_len=4, vocab_size=500, seed=0)
     assert [len(p) for p in w.prompt_token_ids] == [40] * 5 and w.output_lens == [4] * 5

@@ -606,7 +606,7 @@ def test_json_object_accepts_any_object_and_nothing_else(backend):
 def test_bench_structured_reports_tpot_and_ttft(llama_dir, tmp_path, capsys):
     import argparse
 
-    from pagelm.bench import structured
+    from pagelm.plugins.bench import structured
 
     parser = argparse.ArgumentParser()
     structured.add_parser(parser.add_subparsers())
@@ -625,7 +625,7 @@ def test_bench_structured_reports_tpot_and_ttft(llama_dir, tmp_path, capsys):
 def test_bench_standin_tokenizer_covers_the_model_vocab(tmp_path):
     from transformers import AutoTokenizer
 
-    from pagelm.bench.structured import standin_tokenizer
+    from pagelm.plugins.bench.structured import standin_tokenizer
 
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 3000, "bos_token_id": 0, "eos_token_id": [7, 9]}))
     tokenizer = AutoTokenizer.from_pretrained(standin_tokenizer(tmp_path, tmp_path / "tok"))

@@ -132,6 +132,29 @@ def test_hook_pagelm_register_models(llama_dir, plugin, tmp_path):
     assert outs[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
 
+def test_hook_pagelm_register_cli_commands(plugin, capsys):
+    from pagelm.cli import main
+
+    def add_parser(sub):
+        p = sub.add_parser("hello", help="say hello")
+        p.add_argument("--name", default="world")
+        p.set_defaults(func=lambda args: print(f"hello {args.name}") or 3)
+
+    class P:
+        @hookimpl
+        def pagelm_register_cli_commands(self, registry):
+            registry.add("hello", add_parser)
+
+    plugin(P())
+    assert main(["hello", "--name", "pagelm"]) == 3
+    assert capsys.readouterr().out == "hello pagelm\n"
+
+
+def test_builtin_commands_come_from_plugins():
+    commands = get_plugin_manager().cli_commands()
+    assert {"bench", "simulate"} <= set(commands.names())
+
+
 # ---- lifecycle hooks ------------------------------------------------------------------------
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pagelm.cli import main as cli_main
-from pagelm.sim import SimConfig, TraceRequest, load_trace, make_trace, save_trace, simulate
+from pagelm.plugins.sim import SimConfig, TraceRequest, load_trace, make_trace, save_trace, simulate
 
 
 def test_trace_round_trips_through_jsonl(tmp_path):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pagelm import LLM, SamplingParams
-from pagelm.bench.latency import reject_all_drafts
+from pagelm.plugins.bench.latency import reject_all_drafts
 from pagelm.spec_decode import Proposer, SpeculativeConfig
 from pagelm.spec_decode.backoff import DraftBackoff
 from pagelm.testing.speculative import registered_proposer

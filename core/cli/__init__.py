@@ -1,5 +1,6 @@
-"""The ``pagelm`` command. Each subcommand lives in its own module exposing
-``add_parser(subparsers)``, which registers the subcommand and sets ``func``."""
+"""The ``pagelm`` command: a dispatcher. The core's own subcommands live in modules here
+exposing ``add_parser(subparsers)``; plugins add theirs (``serve``, ``bench``, ``simulate``)
+through the ``pagelm_register_cli_commands`` hook."""
 
 from __future__ import annotations
 
@@ -7,15 +8,20 @@ import argparse
 import importlib
 import sys
 
-# Subcommand modules under pagelm.cli, in the order `pagelm --help` lists them.
-COMMANDS = ["serve", "generate", "bench", "plugins", "simulate", "train_eagle"]
+# The core's subcommand modules under pagelm.cli, listed first by `pagelm --help`.
+COMMANDS = ["serve", "generate", "plugins", "train_eagle"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pagelm.plugin_manager import get_plugin_manager
+
     parser = argparse.ArgumentParser(prog="pagelm", description="pagelm: LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"pagelm.cli.{name}").add_parser(sub)
+    commands = get_plugin_manager().cli_commands()
+    for name in commands.names():
+        commands.get(name)(sub)
     return parser
 
 

@@ -42,10 +42,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagelm.bench.hf_compare import HFLatency, build_hf_model, hf_generate_latency, release_memory
-from pagelm.bench.presets import DEMO, PRESETS, resolve_bench_model
-from pagelm.bench.roofline import DecodeCost, decode_avg_context, device_name, measure_copy_bandwidth
-from pagelm.bench.workload import TokenWorkload
+from pagelm.plugins.bench.hf_compare import HFLatency, build_hf_model, hf_generate_latency, release_memory
+from pagelm.plugins.bench.presets import DEMO, PRESETS, resolve_bench_model
+from pagelm.plugins.bench.roofline import DecodeCost, decode_avg_context, device_name, measure_copy_bandwidth
+from pagelm.plugins.bench.workload import TokenWorkload
 from pagelm.cli.engine_args import add_engine_args, engine_kwargs
 from pagelm.spec_decode.stats import acceptance_rate, mean_acceptance_length
 

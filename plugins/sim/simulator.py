@@ -21,8 +21,8 @@ from pagelm.plugin_manager import get_plugin_manager
 from pagelm.request import Request
 from pagelm.sampling_params import SamplingParams
 from pagelm.sched.scheduler import Scheduler
-from pagelm.sim.cost_model import EOS_TOKEN_ID, CostModel, simulated_runner_output
-from pagelm.sim.trace import TraceRequest
+from pagelm.plugins.sim.cost_model import EOS_TOKEN_ID, CostModel, simulated_runner_output
+from pagelm.plugins.sim.trace import TraceRequest
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pagelm.sim.simulator import SimResult
+from pagelm.plugins.sim.simulator import SimResult
 
 _COLUMNS = [
     ("TTFT p50", "ttft_p50", "{:.3f}s"),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from pagelm.bench.workload import TokenWorkload
+from pagelm.plugins.bench.workload import TokenWorkload
 
 
 def build_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device):

@@ -201,7 +201,7 @@ def _fresh(schema: dict) -> dict:
 def _resolve_model(model: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """A preset or a directory; without tokenizer files, a stand-in tokenizer (see module doc)."""
     try:
-        from pagelm.bench.presets import resolve_bench_model
+        from pagelm.plugins.bench.presets import resolve_bench_model
     except ImportError:  # no presets in this build
         path = model
     else:

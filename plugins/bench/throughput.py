@@ -27,11 +27,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagelm.bench.hf_compare import build_hf_model, hf_continuous_batching, release_memory
-from pagelm.bench.latency import add_model_arg
-from pagelm.bench.presets import resolve_bench_model
-from pagelm.bench.roofline import device_name
-from pagelm.bench.workload import TokenWorkload
+from pagelm.plugins.bench.hf_compare import build_hf_model, hf_continuous_batching, release_memory
+from pagelm.plugins.bench.latency import add_model_arg
+from pagelm.plugins.bench.presets import resolve_bench_model
+from pagelm.plugins.bench.roofline import device_name
+from pagelm.plugins.bench.workload import TokenWorkload
 from pagelm.cli.engine_args import add_engine_args, engine_kwargs
 
 

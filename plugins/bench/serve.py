@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagelm.bench.workload import Workload
+from pagelm.plugins.bench.workload import Workload
 from pagelm.cli.engine_args import add_engine_args, engine_kwargs
 
 

@@ -4,7 +4,7 @@
     pagelm simulate --trace trace.jsonl --policy fcfs,priority,sjf --plot out.png
 
 The trace is replayed through the real scheduler and KV cache manager; a cost model stands
-in for the model. Trace format: see ``pagelm.sim.trace`` and docs/plugins.md.
+in for the model. Trace format: see ``pagelm.plugins.sim.trace`` and docs/plugins.md.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagelm.sim import CostModel, SimConfig, load_trace, make_trace, save_trace, simulate
-    from pagelm.sim.report import format_results, plot_results
+    from pagelm.plugins.sim import CostModel, SimConfig, load_trace, make_trace, save_trace, simulate
+    from pagelm.plugins.sim.report import format_results, plot_results
 
     if args.make_trace:
         if args.output is None:
