@@ -9,7 +9,7 @@ from pagelm.plugins.bench.latency import resolve_lengths, workload_prompts
 from pagelm.plugins.bench.presets import resolve_bench_model
 from pagelm.plugins.bench.workload import TokenWorkload
 from pagelm.cli import build_parser, main
-from pagelm.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
+from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
 # A small repeat workload: 8-token blocks, 3 copies, 10 output tokens, one timed run.

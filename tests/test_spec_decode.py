@@ -15,7 +15,7 @@ from pagelm.engine.core_loop import SchedulerStats
 from pagelm.metrics import EngineMetrics
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.spec_decode import Proposer
-from pagelm.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
+from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
 from pagelm.testing.conformance import check_proposer
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pagelm import LLM, SamplingParams
-from pagelm.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
+from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
 from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner
 from pagelm.worker.input_buffers import InputBuffers
 from pagelm.worker.step_state import CachedRequestState

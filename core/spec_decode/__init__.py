@@ -1,6 +1,6 @@
 """Speculative decoding: the ``Proposer`` ABC that draft plugins implement (``ngram``,
-``eagle``), ``speculative_config`` parsing, acceptance counters, and the EAGLE head trainer
-(``pagelm train-eagle``). Verification is ``pagelm.sample.rejection_sampler``."""
+``eagle``), ``speculative_config`` parsing and acceptance counters. Verification is
+``pagelm.sample.rejection_sampler``."""
 
 from pagelm.spec_decode.config import SpeculativeConfig
 from pagelm.spec_decode.proposer import ProposalBatch, Proposer

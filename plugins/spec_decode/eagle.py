@@ -135,3 +135,11 @@ def _iterate_weights(path: Path):
 @hookimpl
 def pagelm_register_proposers(registry) -> None:
     registry.add(EagleProposer.name, EagleProposer)
+
+
+@hookimpl
+def pagelm_register_cli_commands(registry) -> None:
+    """``pagelm train-eagle``: a head for any target (``eagle_train``)."""
+    from pagelm.plugins.spec_decode.train_eagle_cli import add_parser
+
+    registry.add("train-eagle", add_parser)

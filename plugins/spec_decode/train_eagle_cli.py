@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagelm.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
+    from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
 
     target = args.target
     if target is None:
