@@ -56,6 +56,15 @@ def pagelm_register_models(registry: "Registry") -> None:
 
 
 @hookspec
+def pagelm_register_kernels(registry: "Registry") -> None:
+    """Name the fused kernels behind the core's ops, sampler and decode graphs:
+    ``registry.add("rms_norm", "pkg.module:function")``. The reference is imported on first
+    use, not at registration (so registering does not import Triton). The names and the
+    signatures the core calls are listed in ``pagelm.ops.kernels.KERNELS``; a name nobody
+    registers runs its torch reference."""
+
+
+@hookspec
 def pagelm_register_cli_commands(registry: "Registry") -> None:
     """Add ``pagelm`` subcommands: ``registry.add(name, add_parser)``, where
     ``add_parser(subparsers)`` adds the subcommand to an argparse subparsers object and sets

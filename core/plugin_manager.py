@@ -58,6 +58,9 @@ class PluginManager:
         self.not_loaded: dict[str, tuple[PluginInfo, str]] = {}
         self._entry_points_loaded = False
         self._lock = threading.Lock()
+        # Bumped whenever the set of plugins changes, so caches of what they register (the
+        # fused-kernel table) know to look again.
+        self.generation = 0
 
     # ---- loading -------------------------------------------------------------------------
     def load_entry_points(self, strict: bool = True) -> None:
@@ -109,6 +112,7 @@ class PluginManager:
     def unregister(self, name: str) -> None:
         self.pm.unregister(name=name)
         self.loaded.pop(name, None)
+        self.generation += 1
 
     def _register(self, plugin: Any, info: PluginInfo) -> None:
         if self.pm.is_registered(plugin) or self.pm.get_plugin(info.name) is not None:
@@ -119,6 +123,7 @@ class PluginManager:
         except Exception as exc:
             raise PluginLoadError(f"pagelm plugin {info.name!r} could not be registered: {exc}") from exc
         self.loaded[info.name] = info
+        self.generation += 1
 
     @staticmethod
     def _check_api_version(plugin: Any, info: PluginInfo) -> str | None:
@@ -174,6 +179,9 @@ class PluginManager:
     def cli_commands(self) -> Registry:
         return self._collect("cli command")
 
+    def kernels(self) -> Registry:
+        return self._collect("kernel")
+
     def registrations(self, plugin_name: str) -> dict[str, list[str]]:
         """What one loaded plugin registers: ``{kind: [names]}`` (``pagelm plugins``)."""
         plugin = self.pm.get_plugin(plugin_name)
@@ -206,6 +214,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
         "speculative proposer": ("pagelm_register_proposers", Proposer),
         "model architecture": ("pagelm_register_models", None),
         "cli command": ("pagelm_register_cli_commands", None),
+        "kernel": ("pagelm_register_kernels", None),
     }
 
 

@@ -16,7 +16,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 @pytest.fixture(scope="module")
 def kernel():
-    with interpreted_kernels("pagelm.sample.triton_bitmask", fresh=True) as (module,):
+    with interpreted_kernels("pagelm.backends.kernels.bitmask", fresh=True) as (module,):
         yield module.apply_token_bitmask_triton
 
 

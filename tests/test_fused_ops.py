@@ -27,13 +27,13 @@ from pagelm.testing.triton_interpreter import interpreted_kernels  # noqa: E402
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-KERNEL_MODULES = ("triton_rms_norm", "triton_rotary", "triton_activation", "triton_gemv")
+KERNEL_MODULES = ("rms_norm", "rotary", "activation", "gemv")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_interpreter():
     """On CPU: TRITON_INTERPRET=1 while this module runs, with the kernels decorated under it."""
-    with interpreted_kernels(*(f"pagelm.ops.{name}" for name in KERNEL_MODULES)):
+    with interpreted_kernels(*(f"pagelm.backends.kernels.{name}" for name in KERNEL_MODULES)):
         yield
 
 
@@ -279,10 +279,11 @@ def test_gemv_with_rms_norm_is_the_norm_then_linear(dtype, k, with_residual):
 def test_linear_dispatch_keeps_batches_and_float32_on_torch():
     """The GEMV takes only what it is for: single bf16/fp16 rows."""
     weight = randn(16, 32, dtype=torch.bfloat16)
-    assert ops._use_gemv(randn(1, 32, dtype=torch.bfloat16), weight, True)
-    assert not ops._use_gemv(randn(2, 32, dtype=torch.bfloat16), weight, True)
-    assert not ops._use_gemv(randn(1, 32), weight.float(), True)
-    assert not ops._use_gemv(randn(2, 32, dtype=torch.bfloat16), weight, False)
+    gemv = importlib.import_module("pagelm.backends.kernels.gemv").gemv
+    assert ops._gemv(randn(1, 32, dtype=torch.bfloat16), weight, True) is gemv
+    assert ops._gemv(randn(2, 32, dtype=torch.bfloat16), weight, True) is None
+    assert ops._gemv(randn(1, 32), weight.float(), True) is None
+    assert ops._gemv(randn(2, 32, dtype=torch.bfloat16), weight, False) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,8 +360,8 @@ def test_bf16_single_token_forward_through_the_gemv_prologues_matches_the_refere
         param.data = param.data.to(torch.bfloat16)
     input_ids, positions = torch.tensor([5], device=DEVICE), torch.tensor([0], device=DEVICE)
     used = []
-    real_gemv = importlib.import_module("pagelm.ops.triton_gemv").gemv
-    monkeypatch.setattr("pagelm.ops.triton_gemv.gemv", lambda *a, **k: used.append(k) or real_gemv(*a, **k))
+    real_gemv = importlib.import_module("pagelm.backends.kernels.gemv").gemv
+    monkeypatch.setattr("pagelm.backends.kernels.gemv.gemv", lambda *a, **k: used.append(k) or real_gemv(*a, **k))
 
     def logits(fused: bool) -> torch.Tensor:
         with monkeypatch.context() as mp:

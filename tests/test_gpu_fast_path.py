@@ -148,12 +148,12 @@ def test_steps_make_no_host_sync_but_the_sampled_ids(make_model, eager, backend)
 
 def test_random_rows_and_guided_rows_go_through_the_one_kernel_race(llama_dir, monkeypatch):
     """On CUDA, random rows with nothing but a temperature are sampled by one Triton kernel
-    (``pagelm.sample.triton_race``); guided rows too, with their bitmask, sampled under async
+    (``pagelm.backends.kernels.race``); guided rows too, with their bitmask, sampled under async
     scheduling once their grammars have caught up: outputs match the constraint."""
     import re
 
     from pagelm import GuidedDecodingParams
-    from pagelm.sample import triton_race
+    from pagelm.backends.kernels import race as triton_race
 
     race = triton_race.exponential_race_triton
     calls = {"masked": 0, "plain": 0}

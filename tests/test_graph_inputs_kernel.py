@@ -22,7 +22,7 @@ def triton_interpreter():
         return
     with pytest.MonkeyPatch.context() as mp:
         interpret_triton(mp)
-        importlib.reload(importlib.import_module("pagelm.worker.triton_graph_inputs"))
+        importlib.reload(importlib.import_module("pagelm.backends.kernels.graph_inputs"))
         yield
 
 

@@ -12,6 +12,7 @@ import pytest
 from pagelm import LLM, SamplingParams, hookimpl, hookspecs
 from pagelm.backends.torch import TorchAttentionBackend
 from pagelm.models import LlamaForCausalLM
+from pagelm.ops.kernels import KERNELS
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.policies.fcfs import FCFSPolicy
 from pagelm.sched.request_queue import RankedQueue
@@ -148,6 +149,26 @@ def test_hook_pagelm_register_cli_commands(plugin, capsys):
     plugin(P())
     assert main(["hello", "--name", "pagelm"]) == 3
     assert capsys.readouterr().out == "hello pagelm\n"
+
+
+def fake_kernel(x):
+    return x + 1
+
+
+def test_hook_pagelm_register_kernels(plugin):
+    from pagelm.ops.kernels import fused_kernel
+
+    assert fused_kernel("test_add_one") is None
+
+    class P:
+        @hookimpl
+        def pagelm_register_kernels(self, registry):
+            registry.add("test_add_one", f"{__name__}:fake_kernel")
+
+    plugin(P())
+    assert fused_kernel("test_add_one") is fake_kernel  # seen at once: the table follows the plugins
+    # The built-in kernels are registered the same way, by reference (not imported until used).
+    assert set(KERNELS) <= set(get_plugin_manager().kernels().names())
 
 
 def test_builtin_commands_come_from_plugins():

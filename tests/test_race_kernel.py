@@ -1,4 +1,4 @@
-"""The one-kernel exponential race (``pagelm.sample.triton_race``), under the Triton CPU
+"""The one-kernel exponential race (``pagelm.backends.kernels.race``), under the Triton CPU
 interpreter: the token the torch sampler's race picks for the same noise, and samples from
 exactly the masked, temperature-scaled softmax."""
 
@@ -11,7 +11,7 @@ from pagelm.sample.bitmask import unpack_bitmask  # noqa: E402
 from pagelm.sample.sampler import draw_race_noise  # noqa: E402
 from pagelm.testing.triton_interpreter import interpreted_kernels  # noqa: E402
 
-MODULE = "pagelm.sample.triton_race"
+MODULE = "pagelm.backends.kernels.race"
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from pagelm.backends.triton import kv_store, paged_attention as pa
-    from pagelm.ops import triton_gemv
+    from pagelm.backends.kernels import gemv as triton_gemv
 
     TARGET = GPUTarget("cuda", 90, 32)
     TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}

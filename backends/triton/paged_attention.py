@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagelm.ops.triton_common import allow_next_kernel, pdl_supported, wait_for_previous_kernel
+from pagelm.backends.kernels.common import allow_next_kernel, pdl_supported, wait_for_previous_kernel
 
 
 @triton.jit

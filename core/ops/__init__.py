@@ -2,9 +2,10 @@
 and the projections of batch-1 decode (a Triton GEMV, optionally with SiLU-and-mul
 fused into its input).
 
-Each op runs a Triton kernel on CUDA tensors and its torch reference (``pagelm.ops.reference``)
-everywhere else. The kernels are imported on first use, so this package imports without
-Triton. ``PAGELM_DISABLE_FUSED_OPS=1`` (read at import) keeps CUDA on the references too;
+Each op runs a fused kernel on CUDA tensors and its torch reference (``pagelm.ops.reference``)
+everywhere else. The kernels come from plugins through the kernel registry
+(``pagelm.ops.kernels``; the built-in ones are Triton, ``pagelm.backends.kernels``) and are
+imported on first use, so this package imports without Triton. ``PAGELM_DISABLE_FUSED_OPS=1`` (read at import) keeps CUDA on the references too;
 ``use_triton=True`` forces the kernels, as the CPU tests do under ``TRITON_INTERPRET=1``.
 """
 
@@ -16,6 +17,7 @@ import os
 import torch
 
 from pagelm.ops import reference
+from pagelm.ops.kernels import fused_kernel
 
 FUSED_OPS_DISABLED = os.environ.get("PAGELM_DISABLE_FUSED_OPS", "0").lower() in ("1", "true", "on", "yes")
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
@@ -28,8 +30,12 @@ def fused_ops_enabled(x: torch.Tensor) -> bool:
     return x.is_cuda and TRITON_AVAILABLE and not FUSED_OPS_DISABLED
 
 
-def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
-    return fused_ops_enabled(x) if use_triton is None else use_triton
+def _kernel(name: str, x: torch.Tensor, use_triton: bool | None):
+    """The fused kernel ``name`` for ``x`` (``use_triton``: force it on or off), or None:
+    run the reference."""
+    if not (fused_ops_enabled(x) if use_triton is None else use_triton):
+        return None
+    return fused_kernel(name)
 
 
 def rms_norm(
@@ -42,10 +48,9 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual``; returns ``(weight * rms_norm(h), h)``. With ``residual=None``,
     ``h`` is ``x`` itself. Inputs are never modified."""
-    if _use_triton(x, use_triton):
-        from pagelm.ops import triton_rms_norm
-
-        return triton_rms_norm.rms_norm(x, weight, eps, residual)
+    kernel = _kernel("rms_norm", x, use_triton)
+    if kernel is not None:
+        return kernel(x, weight, eps, residual)
     return reference.rms_norm(x, weight, eps, residual)
 
 
@@ -62,10 +67,9 @@ def rotary_embedding(
     """Neox RoPE over the first ``rotary_dim`` dims of each head of ``[num_tokens, heads *
     head_dim]`` q and k. The kernel rotates q and k in place, the reference returns new
     tensors: callers use the returned pair and must not rely on either."""
-    if _use_triton(q, use_triton):
-        from pagelm.ops import triton_rotary
-
-        return triton_rotary.rotary_embedding(positions, q, k, cos_sin_cache, head_dim, rotary_dim)
+    kernel = _kernel("rotary_embedding", q, use_triton)
+    if kernel is not None:
+        return kernel(positions, q, k, cos_sin_cache, head_dim, rotary_dim)
     return reference.rotary_embedding(positions, q, k, cos_sin_cache, head_dim, rotary_dim)
 
 
@@ -84,12 +88,9 @@ def qk_norm_rotary_embedding(
     """Per-head RMSNorm of q and k (Qwen3's ``q_norm``/``k_norm``), then full-head neox RoPE:
     one kernel on CUDA where the eager path takes three (small decode steps pay per launch)."""
     rotary_dim = cos_sin_cache.shape[-1]
-    if _use_triton(q, use_triton) and rotary_dim == head_dim:
-        from pagelm.ops import triton_rotary
-
-        return triton_rotary.rotary_embedding(
-            positions, q, k, cos_sin_cache, head_dim, rotary_dim, qk_norm=(q_weight, k_weight, eps)
-        )
+    kernel = _kernel("rotary_embedding", q, use_triton) if rotary_dim == head_dim else None
+    if kernel is not None:
+        return kernel(positions, q, k, cos_sin_cache, head_dim, rotary_dim, qk_norm=(q_weight, k_weight, eps))
     num_tokens = q.shape[0]
     q_heads, _ = reference.rms_norm(q.reshape(num_tokens, -1, head_dim), q_weight, eps)
     k_heads, _ = reference.rms_norm(k.reshape(num_tokens, -1, head_dim), k_weight, eps)
@@ -100,17 +101,18 @@ def qk_norm_rotary_embedding(
 
 def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
     """``silu(gate) * up`` with ``gate, up = x.chunk(2, dim=-1)``."""
-    if _use_triton(x, use_triton):
-        from pagelm.ops import triton_activation
-
-        return triton_activation.silu_and_mul(x)
+    kernel = _kernel("silu_and_mul", x, use_triton)
+    if kernel is not None:
+        return kernel(x)
     return reference.silu_and_mul(x)
 
 
-def _use_gemv(x: torch.Tensor, weight: torch.Tensor, use_triton: bool | None) -> bool:
+def _gemv(x: torch.Tensor, weight: torch.Tensor, use_triton: bool | None):
+    """The GEMV kernel where it applies to ``x @ weight.T`` (one contiguous bf16/fp16 row),
+    else None."""
     if use_triton is None:
         use_triton = fused_ops_enabled(x) and not GEMV_DISABLED
-    return (
+    applies = (
         use_triton
         and x.dim() == 2
         and x.shape[0] == 1
@@ -118,6 +120,7 @@ def _use_gemv(x: torch.Tensor, weight: torch.Tensor, use_triton: bool | None) ->
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
     )
+    return fused_kernel("gemv") if applies else None
 
 
 def linear(
@@ -125,10 +128,9 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear``; a single row (batch-1 decode, bf16/fp16) on CUDA takes the Triton GEMV,
     which reads small weights at close to HBM bandwidth where cuBLAS's tiles do not."""
-    if _use_gemv(x, weight, use_triton):
-        from pagelm.ops import triton_gemv
-
-        return triton_gemv.gemv(x, weight, bias)
+    gemv = _gemv(x, weight, use_triton)
+    if gemv is not None:
+        return gemv(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -137,10 +139,9 @@ def silu_and_mul_linear(
 ) -> torch.Tensor:
     """``linear(silu_and_mul(x), weight, bias)``: the MLP's activation and down projection;
     one kernel (the activation computed while loading) where the GEMV applies."""
-    if _use_gemv(x, weight, use_triton):
-        from pagelm.ops import triton_gemv
-
-        return triton_gemv.gemv(x, weight, bias, silu_input=True)
+    gemv = _gemv(x, weight, use_triton)
+    if gemv is not None:
+        return gemv(x, weight, bias, silu_input=True)
     return linear(silu_and_mul(x, use_triton=use_triton), weight, bias, use_triton=use_triton)
 
 
@@ -156,10 +157,9 @@ def rms_norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``normed, h = rms_norm(x, norm_weight, eps, residual)``; returns ``(linear(normed,
     weight, bias), h)``. One kernel where the GEMV applies (the norm in its prologue)."""
-    if _use_gemv(x, weight, use_triton) and (residual is None or residual.stride(-1) == 1):
-        from pagelm.ops import triton_gemv
-
-        return triton_gemv.gemv(x, weight, bias, norm=(norm_weight, eps, residual))
+    gemv = _gemv(x, weight, use_triton) if residual is None or residual.stride(-1) == 1 else None
+    if gemv is not None:
+        return gemv(x, weight, bias, norm=(norm_weight, eps, residual))
     normed, h = rms_norm(x, norm_weight, eps, residual, use_triton=use_triton)
     return linear(normed, weight, bias, use_triton=use_triton), h
 

@@ -10,6 +10,8 @@ import importlib.util
 
 import torch
 
+from pagelm.ops.kernels import fused_kernel
+
 _TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 _BITS = None
 _COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
@@ -39,10 +41,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     A large pinned CPU ``bitmask`` is copied on a side stream, so the copy overlaps the forward
     pass still running on the current stream (which waits for it); it must stay unchanged until
     the step's next host sync."""
-    if logits.is_cuda and _TRITON_AVAILABLE:
-        from pagelm.sample.triton_bitmask import apply_token_bitmask_triton
-
-        apply_token_bitmask_triton(logits, upload_bitmask(bitmask, logits.device), rows)
+    kernel = fused_kernel("apply_token_bitmask") if logits.is_cuda and _TRITON_AVAILABLE else None
+    if kernel is not None:
+        kernel(logits, upload_bitmask(bitmask, logits.device), rows)
         return
     apply_token_bitmask_torch(logits, bitmask, rows)
 

@@ -9,7 +9,7 @@ Processing order (each stage is skipped when no row in the batch uses it)::
         └─ temperature ─ min_p ─ top_k ─ top_p ─ softmax ─ exponential race ──► random rows
 
 On CUDA the model runner samples a batch of random rows with nothing but a temperature (and
-a guided-decoding bitmask) in one Triton kernel instead (``pagelm.sample.triton_race``,
+a guided-decoding bitmask) in one Triton kernel instead (the ``exponential_race`` fused kernel,
 ``Sampler.race_fusable``), with the race's noise drawn at launch (``draw_noise``).
 """
 
@@ -92,7 +92,7 @@ class Sampler(nn.Module):
 
     @staticmethod
     def race_fusable(md: SamplingMetadata) -> bool:
-        """Whether ``pagelm.sample.triton_race`` can sample this batch in one kernel: every
+        """Whether the ``exponential_race`` fused kernel can sample this batch in one pass: every
         row random, nothing between the (masked) logits and the race but the temperature,
         no logprobs, no per-request generators."""
         return (

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from pagelm.attention import AttentionMetadataBuilder, CommonAttentionMetadata, ForwardContext, forward_context
+from pagelm.ops.kernels import fused_kernel
 from pagelm.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger("pagelm")
@@ -186,12 +187,12 @@ class CudaGraphRunner:
     # ---- capture -------------------------------------------------------------------------
     def _derive_inputs(self, size: int, use_triton: bool | None = None) -> None:
         """In-graph: the step's inputs that follow from (tokens, seq_len, block table). One
-        Triton kernel on CUDA (``triton_graph_inputs``), the same math in torch ops elsewhere."""
+        fused kernel on CUDA (``derive_step_inputs``), the same math in torch ops elsewhere."""
         q, bs = self.query_len, self.block_size
         rq, num_tokens = self.max_size * q, size * q
-        if self.staging_dev.is_cuda if use_triton is None else use_triton:
-            from pagelm.worker.triton_graph_inputs import derive_step_inputs
-
+        fused = self.staging_dev.is_cuda if use_triton is None else use_triton
+        derive_step_inputs = fused_kernel("derive_step_inputs") if fused else None
+        if derive_step_inputs is not None:
             derive_step_inputs(
                 self.staging_dev, self.block_table, self.input_ids, self.positions, self.seq_lens,
                 self.slot_mapping, size=size, query_len=q, seq_lens_offset=rq, block_size=bs,

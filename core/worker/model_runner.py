@@ -34,6 +34,7 @@ from pagelm.attention import (
 )
 from pagelm.config import EngineConfig
 from pagelm.kv_cache import cdiv
+from pagelm.ops.kernels import fused_kernel
 from pagelm.sample import Sampler, SamplerOutput, SamplingMetadata
 from pagelm.sample.bitmask import apply_token_bitmask, upload_bitmask
 from pagelm.sample.sampler import LogprobsTensors
@@ -262,15 +263,15 @@ class ModelRunner:
         logits, pending.logits = pending.logits, None
         noise, pending.noise = pending.noise, None
         constrained = sched.structured_output_request_ids if self.structured_output is not None else []
-        if noise is not None and Sampler.race_fusable(md) and constrained in ([], pending.req_ids):
-            # One kernel (pagelm.sample.triton_race): temperature, the grammar's bitmask when
-            # every request has one, the race over the noise drawn at launch.
-            from pagelm.sample.triton_race import exponential_race_triton
-
+        fusable = noise is not None and Sampler.race_fusable(md) and constrained in ([], pending.req_ids)
+        race = fused_kernel("exponential_race") if fusable else None
+        if race is not None:
+            # One kernel: temperature, the grammar's bitmask when every request has one, the
+            # race over the noise drawn at launch.
             bitmask = self.structured_output.grammar_bitmask(constrained) if constrained else None
             if bitmask is not None:
                 bitmask = upload_bitmask(bitmask, self.device)  # overlaps the forward pass
-            sampled = SamplerOutput(exponential_race_triton(logits, noise, md.temperature, bitmask), None)
+            sampled = SamplerOutput(race(logits, noise, md.temperature, bitmask), None)
         else:
             if constrained:
                 self._apply_grammar(logits, constrained, pending.req_ids)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from pagelm.ops.triton_common import is_interpreted, round_to
+from pagelm.backends.kernels.common import is_interpreted, round_to
 
 
 @triton.jit

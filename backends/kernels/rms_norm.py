@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagelm.ops.triton_common import (
+from pagelm.backends.kernels.common import (
     allow_next_kernel,
     is_interpreted,
     pdl_supported,

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from pagelm.ops.triton_common import allow_next_kernel, is_interpreted, pdl_supported, round_to, wait_for_previous_kernel
+from pagelm.backends.kernels.common import allow_next_kernel, is_interpreted, pdl_supported, round_to, wait_for_previous_kernel
 
 
 
