@@ -14,7 +14,7 @@ import importlib
 import sys
 from collections.abc import Callable
 
-from pagelm import plugin_manager
+import pagelm.plugin_manager as plugin_manager
 
 # The kernels the core looks up, with the call it makes (see each caller's reference path).
 KERNELS = {

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from pagelm.attention import Attention, CommonAttentionMetadata
-from pagelm.kv_cache import cdiv
 
 if TYPE_CHECKING:
     from pagelm.config import EngineConfig
@@ -96,7 +95,7 @@ def decode_attention_metadata(
     positions = np.asarray(positions, dtype=np.int64)
     seq_lens = (positions + 1).astype(np.int32)
     max_seq_len = int(seq_lens.max())
-    table = np.ascontiguousarray(block_table_cpu[rows, : cdiv(max_seq_len, block_size)])
+    table = np.ascontiguousarray(block_table_cpu[rows, : -(-max_seq_len // block_size)])
     slots = table[np.arange(num_reqs), positions // block_size].astype(np.int64) * block_size + positions % block_size
     query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32)
     seq_lens_cpu = torch.from_numpy(seq_lens)
