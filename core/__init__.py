@@ -16,6 +16,7 @@ _LAZY = {
     "CompletionOutput": ("pagelm.outputs", "CompletionOutput"),
     "Logprob": ("pagelm.outputs", "Logprob"),
     "AttentionBackend": ("pagelm.attention", "AttentionBackend"),
+    "GraphSupport": ("pagelm.attention", "GraphSupport"),
     "SchedulingPolicy": ("pagelm.sched.policy", "SchedulingPolicy"),
     "RequestQueue": ("pagelm.sched.request_queue", "RequestQueue"),
     "StructuredOutputBackend": ("pagelm.structured_output", "StructuredOutputBackend"),

@@ -15,7 +15,7 @@ import torch
 
 import fake_flashinfer
 from pagelm import LLM, SamplingParams
-from pagelm.attention import AttentionSpec, CommonAttentionMetadata
+from pagelm.attention import AttentionSpec, CommonAttentionMetadata, GraphSupport
 from pagelm.attention import selector
 from pagelm.attention.selector import select_attention_backend
 from pagelm.backends.flashinfer import FlashInferAttentionBackend
@@ -170,7 +170,7 @@ def test_gpus_older_than_ampere_are_rejected(monkeypatch):
 
 
 def test_graph_safety_is_declared_and_the_cache_is_flashinfers_nhd_layout():
-    assert FlashInferAttentionBackend.cuda_graph_safe
+    assert FlashInferAttentionBackend.graph_support == GraphSupport.DECODE_ONLY
     assert FlashInferAttentionBackend.get_kv_cache_shape(10, 16, 8, 128) == (10, 2, 16, 8, 128)
 
 

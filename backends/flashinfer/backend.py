@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagelm.attention import AttentionBackend, AttentionImpl, AttentionSpec
+from pagelm.attention import AttentionBackend, AttentionImpl, AttentionSpec, GraphSupport
 from pagelm.backends.flashinfer.metadata import FlashInferMetadata, FlashInferMetadataBuilder
 
 if TYPE_CHECKING:
@@ -90,10 +90,9 @@ class FlashInferAttentionBackend(AttentionBackend):
     supported_head_sizes = (64, 128, 256)
     supported_devices = ("cuda",)
     supports_sliding_window = True
-    cuda_graph_safe = True
     # Its graph wrappers are decode wrappers (one query token per request): verification
     # steps of speculative decoding run eagerly, through the prefill wrapper.
-    cuda_graph_uniform_batch = False
+    graph_support = GraphSupport.DECODE_ONLY
 
     @classmethod
     def validate(

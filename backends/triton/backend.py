@@ -27,6 +27,7 @@ from pagelm.attention import (
     AttentionMetadataBuilder,
     AttentionSpec,
     CommonAttentionMetadata,
+    GraphSupport,
 )
 
 if TYPE_CHECKING:
@@ -203,8 +204,7 @@ def interpreter_enabled() -> bool:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    cuda_graph_safe = True
-    cuda_graph_uniform_batch = True
+    graph_support = GraphSupport.ALWAYS
     # CPU only under TRITON_INTERPRET=1 (tests, debugging); see validate().
     supported_devices = ("cuda", "cpu")
     supports_sliding_window = True

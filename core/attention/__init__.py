@@ -6,6 +6,7 @@ from pagelm.attention.backend import (
     AttentionMetadataBuilder,
     AttentionSpec,
     CommonAttentionMetadata,
+    GraphSupport,
 )
 from pagelm.attention.forward_context import ForwardContext, forward_context, get_forward_context
 from pagelm.attention.layer import Attention, attention_layers
@@ -17,6 +18,7 @@ __all__ = [
     "AttentionMetadataBuilder",
     "AttentionSpec",
     "CommonAttentionMetadata",
+    "GraphSupport",
     "ForwardContext",
     "attention_layers",
     "forward_context",

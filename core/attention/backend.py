@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +20,18 @@ import torch
 
 if TYPE_CHECKING:
     from pagelm.config import EngineConfig
+
+
+class GraphSupport(enum.Enum):
+    """Which steps a backend lets the runner capture in CUDA graphs."""
+
+    # Every step runs eagerly.
+    NEVER = "never"
+    # One-token decode batches (no host syncs or value-dependent shapes in forward, and the
+    # builder implements ``build_for_cudagraph``); speculative verification runs eagerly.
+    DECODE_ONLY = "decode_only"
+    # Also uniform batches of q = 1 + k query tokens per request (speculative verification).
+    ALWAYS = "always"
 
 
 @dataclass(frozen=True)
@@ -85,9 +98,9 @@ class AttentionMetadataBuilder(ABC):
         made at capture, so they may depend on ``num_reqs`` only, never on ``seq_lens``; the
         device tensors in ``common`` are the runner's persistent buffers, refilled before
         every replay. Padding rows have ``seq_len`` 1 and slot -1 (nothing stored).
-        Only backends with ``cuda_graph_safe = True`` are asked.
+        Only backends whose ``graph_support`` is not ``NEVER`` are asked.
 
-        Backends with ``cuda_graph_uniform_batch = True`` are also asked for speculative
+        Backends with ``graph_support = GraphSupport.ALWAYS`` are also asked for speculative
         verification graphs: ``max_query_len = q > 1`` tokens per request,
         ``query_start_loc = arange * q``, ``max_seq_len = max_model_len``. A request's tokens
         are the last ``q`` positions before its ``seq_len``; padding tokens (slot -1) come
@@ -143,13 +156,8 @@ class AttentionBackend(ABC):
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     supports_sliding_window: ClassVar[bool] = False
-    # True: decode steps may be captured in CUDA graphs (no host syncs or value-dependent
-    # shapes in forward, and the builder implements build_for_cudagraph).
-    cuda_graph_safe: ClassVar[bool] = False
-    # True (with cuda_graph_safe): steps that verify speculative drafts, a uniform q = 1 + k
-    # query tokens per request, may be captured too (see build_for_cudagraph). False: they run
-    # eagerly, one-token decode steps keep their graphs.
-    cuda_graph_uniform_batch: ClassVar[bool] = False
+    # Which steps may be captured in CUDA graphs (see GraphSupport and build_for_cudagraph).
+    graph_support: ClassVar[GraphSupport] = GraphSupport.NEVER
 
     @classmethod
     def validate(

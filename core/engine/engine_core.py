@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 import torch
 
-from pagelm.attention import attention_layers
+from pagelm.attention import GraphSupport, attention_layers
 from pagelm.attention.selector import select_attention_backend
 from pagelm.config import EngineConfig
 from pagelm.engine.core_output import EngineCoreOutput
@@ -141,7 +141,7 @@ class EngineCore:
     def _use_cuda_graphs(self, backend_cls) -> bool:
         """Graphs need CUDA and a graph-safe backend. ``enforce_eager=False`` demands them, so
         a combination that cannot have them is an error rather than a silent fallback."""
-        possible = self.device.type == "cuda" and backend_cls.cuda_graph_safe
+        possible = self.device.type == "cuda" and backend_cls.graph_support != GraphSupport.NEVER
         if self.config.enforce_eager is False and not possible:
             why = "they need a CUDA device" if self.device.type != "cuda" else (
                 f"attention backend {backend_cls.name!r} is not CUDA-graph safe"

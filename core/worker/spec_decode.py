@@ -18,7 +18,7 @@ which the rejection sampler reads each request's last ``1 + d``::
     graph rows  | r1: x  d1 d2 d3 | r2: -  -  -  y |      (q = 4; - = padding, slot -1)
 
 Steps mixing prefill chunks with drafts run eagerly, as do batches above the largest
-captured size and backends without ``cuda_graph_uniform_batch`` (FlashInfer). A step with no
+captured size and backends whose ``graph_support`` is not ``ALWAYS`` (FlashInfer). A step with no
 drafts at all is plain decode (the one-token graphs). The proposer runs after verification,
 eagerly (the EAGLE head's passes are not captured).
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagelm.attention import CommonAttentionMetadata
+from pagelm.attention import CommonAttentionMetadata, GraphSupport
 from pagelm.kv_cache import cdiv
 from pagelm.sample import RejectionSampler
 from pagelm.sample.sampler import LogprobsTensors
@@ -110,7 +110,7 @@ class SpecDecodeRunner:
     def capture_cuda_graphs(self, runner, pool: tuple[int, int] | None) -> None:
         """Capture verification graphs (``q = 1 + k`` tokens per request) into ``pool``, for
         batch sizes up to ``MAX_VERIFY_GRAPH_BATCH``, when the attention backend can."""
-        if not runner.backend.cuda_graph_uniform_batch:
+        if runner.backend.graph_support != GraphSupport.ALWAYS:
             logger.info(
                 "attention backend %r has no verification graphs: steps verifying drafts run eagerly",
                 runner.backend.name,
