@@ -43,8 +43,8 @@ class EngineConfig:
     # Progress whatever the policy does: a request preempted this many times in a row
     # without producing a token is no longer a victim until it finishes.
     max_stalled_preemptions: int = 8
-    # "auto": on CUDA the first usable of flashinfer, triton, torch; torch on CPU (logged at
-    # start-up).
+    # "auto": the usable registered backend with the highest auto_priority for the device
+    # (built-in: triton, then flashinfer, then torch on CUDA; torch on CPU; logged at start-up).
     attention_backend: str = "auto"
     # Cascade attention: when every request of a step shares at least this many leading,
     # already-cached KV blocks (many requests over one system prompt), a backend that supports

@@ -16,7 +16,6 @@ import torch
 import fake_flashinfer
 from pagelm import LLM, SamplingParams
 from pagelm.attention import AttentionSpec, CommonAttentionMetadata, GraphSupport
-from pagelm.attention import selector
 from pagelm.attention.selector import select_attention_backend
 from pagelm.backends.flashinfer import FlashInferAttentionBackend
 from pagelm.backends.flashinfer import backend as fi_backend
@@ -193,7 +192,7 @@ def test_auto_on_cuda_prefers_triton_then_flashinfer(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="pagelm"):
         assert _auto("cuda").name == "triton"
     assert "using 'triton' on cuda" in caplog.text
-    monkeypatch.setattr(selector, "AUTO_ORDER", {"cuda": ("flashinfer", "triton", "torch")})
+    monkeypatch.setattr(fi_backend.FlashInferAttentionBackend, "auto_priority", {"cuda": 400})
     assert _auto("cuda").name == "flashinfer"
     assert _auto("cuda", torch.float32).name == "triton"  # FlashInfer has no float32 kernels
 

@@ -65,3 +65,30 @@ def test_lifecycle_hooks_fire_once_per_engine_and_request(llama_dir, recorder):
     assert kinds == ["configure", "started", "finished", "finished", "shutdown"]
     assert {e[2] for e in recorder.events if e[0] == "finished"} == {"length"}
     assert recorder.events[1][1] == llm.engine.core.num_kv_blocks
+
+
+def test_auto_picks_a_third_party_backend_by_its_declared_priority(llama_dir):
+    from pagelm.backends.torch import TorchAttentionBackend
+
+    class Preferred(TorchAttentionBackend):
+        name = "preferred_on_cpu"
+        auto_priority = {"cpu": 500}
+
+    class Undeclared(TorchAttentionBackend):
+        name = "undeclared"  # no auto_priority: auto never picks it
+
+    class Plugin:
+        @hookimpl
+        def pagelm_register_attention_backends(self, registry):
+            registry.add(Preferred.name, Preferred)
+            registry.add(Undeclared.name, Undeclared)
+
+    get_plugin_manager().register(Plugin(), name="test-auto-backends")
+    try:
+        llm = LLM(str(llama_dir), dtype="float32", device="cpu")
+        assert llm.engine.core.runner.backend is Preferred
+        Preferred.auto_priority = {}
+        llm = LLM(str(llama_dir), dtype="float32", device="cpu")
+        assert llm.engine.core.runner.backend.name == "torch"
+    finally:
+        get_plugin_manager().unregister("test-auto-backends")

@@ -93,6 +93,8 @@ class FlashInferAttentionBackend(AttentionBackend):
     # Its graph wrappers are decode wrappers (one query token per request): verification
     # steps of speculative decoding run eagerly, through the prefill wrapper.
     graph_support = GraphSupport.DECODE_ONLY
+    # Wins large offline batches; one config key away (attention_backend="flashinfer").
+    auto_priority = {"cuda": 200}
 
     @classmethod
     def validate(

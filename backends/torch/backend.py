@@ -95,6 +95,8 @@ def _causal_mask(query_len: int, seq_len: int, sliding_window: int | None, devic
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     supports_sliding_window = True
+    # The CPU's backend, and the last resort on CUDA.
+    auto_priority = {"cpu": 100, "cuda": 0}
 
     @staticmethod
     def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim):

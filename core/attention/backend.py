@@ -158,6 +158,9 @@ class AttentionBackend(ABC):
     supports_sliding_window: ClassVar[bool] = False
     # Which steps may be captured in CUDA graphs (see GraphSupport and build_for_cudagraph).
     graph_support: ClassVar[GraphSupport] = GraphSupport.NEVER
+    # attention_backend="auto": device type -> priority (highest valid backend wins). A device
+    # type not listed: auto never picks this backend there (name it explicitly instead).
+    auto_priority: ClassVar[dict[str, int]] = {}
 
     @classmethod
     def validate(

@@ -1,5 +1,7 @@
-"""Choosing the attention backend: a named one is validated, ``"auto"`` takes the first in
-``AUTO_ORDER`` that is registered and valid for this model, dtype and device."""
+"""Choosing the attention backend: a named one is validated; ``"auto"`` takes, among every
+registered backend (third-party ones included), the one with the highest
+``auto_priority`` for the device type whose ``validate`` finds no problem with this model,
+dtype and device."""
 
 from __future__ import annotations
 
@@ -10,11 +12,6 @@ import torch
 from pagelm.attention.backend import AttentionBackend, AttentionSpec
 
 logger = logging.getLogger("pagelm")
-
-# Best first. On an H200 (docs/benchmarks.md) triton decodes faster at batch 1 and 32 than
-# flashinfer (which re-plans before every graph replay) and needs no JIT compile on a fresh
-# machine; flashinfer wins large offline batches and is one config key away.
-AUTO_ORDER = {"cuda": ("triton", "flashinfer", "torch"), "cpu": ("torch",)}
 
 
 def select_attention_backend(
@@ -28,13 +25,24 @@ def select_attention_backend(
             raise ValueError(f"attention_backend={name!r}: " + "; ".join(problems))
         return cls
     tried = []
-    for candidate in AUTO_ORDER.get(device.type, ("torch",)):
-        if candidate not in registry:
-            continue
-        cls = registry.get(candidate)
+    for cls in auto_candidates(registry, device):
         problems = cls.validate(config, spec, dtype, device)
         if not problems:
-            logger.info("attention_backend=auto: using %r on %s", candidate, device.type)
+            logger.info("attention_backend=auto: using %r on %s", cls.name, device.type)
             return cls
-        tried.append(f"{candidate}: {'; '.join(problems)}")
-    raise ValueError("attention_backend='auto' found no usable backend: " + " | ".join(tried))
+        tried.append(f"{cls.name}: {'; '.join(problems)}")
+    raise ValueError(
+        f"attention_backend='auto' found no usable backend on {device.type}: " + (" | ".join(tried) or
+        f"no registered backend declares an auto_priority for {device.type}")
+    )
+
+
+def auto_candidates(registry, device: torch.device) -> list[type[AttentionBackend]]:
+    """The registered backends that ``auto`` may choose on ``device``, best first (ties by name)."""
+    ranked = []
+    for name in registry.names():
+        cls = registry.get(name)
+        priority = cls.auto_priority.get(device.type)
+        if priority is not None:
+            ranked.append((-priority, name, cls))
+    return [cls for _, _, cls in sorted(ranked, key=lambda r: r[:2])]
