@@ -9,6 +9,9 @@ from typing import Any
 
 # Below this temperature a request is decoded greedily (argmax), as in vLLM.
 SAMPLING_EPS = 1e-5
+# Every integer parameter fits a signed 64-bit integer (as vLLM bounds them): it crosses the
+# engine-core wire and becomes a torch.long. 2**63 used to pass and then crash the step.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -122,6 +125,13 @@ class SamplingParams:
     def _validate(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or (isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX):
+                raise bad(name, f"an integer in [{INT64_MIN}, {INT64_MAX}]")
+        if any(isinstance(t, int) and t > INT64_MAX for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"a list of token ids <= {INT64_MAX}")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1")

@@ -227,6 +227,9 @@ def test_priority_and_cache_salt_are_accepted(client):
         (dict(n=0), "n"),
         (dict(logprobs=50), "logprobs"),
         (dict(extra_body={"top_k": -3}), "top_k"),
+        # Beyond int64: it used to pass and then kill the engine core for everyone.
+        (dict(extra_body={"top_k": 2**63}), "top_k"),
+        (dict(seed=2**64 - 1, n=2), "seed"),
         (dict(extra_body={"min_p": 2}), "min_p"),
         (dict(presence_penalty=3), "presence_penalty"),
         (dict(max_tokens=600), "max_tokens"),

@@ -65,8 +65,9 @@ def build_sampling_metadata(states, eos_token_ids: frozenset[int], vocab_size: i
         temperature=temperature,
         all_greedy=all(greedy),
         all_random=not any(greedy),
-        top_k=column([p.top_k for p in params], torch.long, 0),
-        max_top_k=max(p.top_k for p in params) or None,  # top_k >= 0; 0 = off
+        # A top_k beyond the vocabulary keeps every token: clamped, it stays a small number.
+        top_k=column([min(p.top_k, vocab_size) for p in params], torch.long, 0),
+        max_top_k=min(max(p.top_k for p in params), vocab_size) or None,  # top_k >= 0; 0 = off
         top_p=column([p.top_p for p in params], torch.float32, 1.0),
         min_p=column([p.min_p for p in params], torch.float32, 0.0),
         generators=generators,
