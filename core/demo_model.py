@@ -21,11 +21,10 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from pagelm.testing.tiny_models import BOS, CHATML_TEMPLATE, EOS, IM_END, IM_START, PAD, SPECIAL_TOKENS
+from pagelm.testing.tiny_models import IM_END, IM_START, chatml_tokenizer, train_bpe_tokenizer
 
 # Bump the version whenever the recipe changes, so caches holding an older model are not reused.
 DEMO_MODEL_NAME = "demo-llama-v1"
@@ -156,28 +155,9 @@ def chat_examples(sources: list[tuple[str, str]], max_chars: int = 4000) -> list
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE (any UTF-8 text encodes) with bos/eos/pad, ChatML specials and template."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(CODE_SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        unk_token=None,
-        chat_template=CHATML_TEMPLATE,
-    )
+    """Byte-level BPE (any UTF-8 text encodes) with bos/eos/pad, ChatML specials and template,
+    pre-split into code-aware pieces (``CODE_SPLIT_PATTERN``)."""
+    return chatml_tokenizer(train_bpe_tokenizer(texts, vocab_size, split_pattern=CODE_SPLIT_PATTERN))
 
 
 def _token_stream(tokenizer: PreTrainedTokenizerFast, docs: list[str]) -> torch.Tensor:

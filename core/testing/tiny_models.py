@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     GenerationConfig,
     LlamaConfig,
@@ -82,11 +82,18 @@ def _corpus() -> list[str]:
     return texts + MULTIBYTE_LINES * 50
 
 
-@functools.lru_cache(maxsize=None)
-def _trained_tokenizer_json(vocab_size: int) -> str:
-    """Train once per vocab size per process; kept as JSON so every caller gets a fresh object."""
+def train_bpe_tokenizer(texts: list[str], vocab_size: int, split_pattern: str | None = None) -> Tokenizer:
+    """The one tiny-tokenizer builder (tests, the demo model): byte-level BPE trained on
+    ``texts``, with the ChatML specials. ``split_pattern``: a regex that pre-splits the text
+    (the demo model's code-aware pieces) instead of GPT-2's byte-level regex."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_pattern is None:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split_pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -95,14 +102,14 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
-    return tokenizer.to_str()
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """Train (or reuse) a byte-level BPE tokenizer with ChatML specials and save it to ``out_dir``."""
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size)),
+def chatml_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
+    """``tokenizer`` as a Hugging Face tokenizer with the ChatML specials and chat template."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
@@ -111,6 +118,17 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> PreTrainedTok
         unk_token=None,
         chat_template=CHATML_TEMPLATE,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    """Train once per vocab size per process; kept as JSON so every caller gets a fresh object."""
+    return train_bpe_tokenizer(_corpus(), vocab_size).to_str()
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """Train (or reuse) a byte-level BPE tokenizer with ChatML specials and save it to ``out_dir``."""
+    tokenizer = chatml_tokenizer(Tokenizer.from_str(_trained_tokenizer_json(vocab_size)))
     tokenizer.save_pretrained(str(out_dir))
     return tokenizer
 
