@@ -49,6 +49,7 @@ class EngineMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed) by the scheduler.")
+        self.plugin_errors = counter("plugin_errors", "Exceptions raised by plugins' lifecycle hooks (caught and logged).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         # Speculative decoding, vLLM's names: mean acceptance length = 1 + accepted / drafts.
@@ -101,6 +102,7 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        self.plugin_errors.inc(stats.num_plugin_errors - last.num_plugin_errors)
         if stats.spec_num_drafts != last.spec_num_drafts:
             self._record_spec_decode(stats, last)
         generated = sum(len(o.new_token_ids) for o in outputs)

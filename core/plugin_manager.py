@@ -13,6 +13,7 @@ called X" for every plugin kind.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import threading
 import warnings
@@ -24,6 +25,8 @@ import pluggy
 from pagelm import hookspecs
 from pagelm.plugin_api import PLUGIN_API_ATTRIBUTE, PLUGIN_API_VERSION, api_incompatibility, declared_api_version
 from pagelm.registry import Registry
+
+logger = logging.getLogger("pagelm")
 
 ENTRY_POINT_GROUP = "pagelm.plugins"
 BUILTIN_DISTRIBUTION = "pagelm"
@@ -61,6 +64,8 @@ class PluginManager:
         # Bumped whenever the set of plugins changes, so caches of what they register (the
         # fused-kernel table) know to look again.
         self.generation = 0
+        # Exceptions lifecycle hooks raised (caught by ``notify``), since start.
+        self.num_hook_errors = 0
 
     # ---- loading -------------------------------------------------------------------------
     def load_entry_points(self, strict: bool = True) -> None:
@@ -197,6 +202,18 @@ class PluginManager:
     def hook(self) -> Any:
         self.load_entry_points()
         return self.pm.hook
+
+    def notify(self, hook_name: str, **kwargs: Any) -> None:
+        """Call lifecycle hook ``hook_name`` on every plugin that implements it, each on its
+        own: an exception is logged with the plugin's name and counted (``num_hook_errors``),
+        and never reaches the engine, so one plugin's bug cannot stop it serving everyone."""
+        caller = getattr(self.hook, hook_name)
+        for impl in reversed(caller.get_hookimpls()):  # pluggy's order: last registered first
+            try:
+                impl.function(**{name: kwargs[name] for name in impl.argnames})
+            except Exception:
+                self.num_hook_errors += 1
+                logger.exception("pagelm plugin %r raised in %s; the engine carries on", impl.plugin_name, hook_name)
 
 
 def _registry_kinds() -> dict[str, tuple[str, type | None]]:

@@ -47,6 +47,8 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # Exceptions plugins' lifecycle hooks raised (caught; see PluginManager.notify).
+    num_plugin_errors: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -68,6 +70,7 @@ class SchedulerStats:
             spec.num_draft_tokens,
             spec.num_accepted_tokens,
             list(spec.num_accepted_tokens_per_pos),
+            core.plugins.num_hook_errors,
         )
 
 

@@ -45,7 +45,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.config = config
         plugins = get_plugin_manager()
-        plugins.hook.pagelm_configure(config=config)
+        plugins.notify("pagelm_configure", config=config)
         self.plugins = plugins
 
         # Resolve plugin names first: a typo fails before any weight is read.
@@ -119,7 +119,7 @@ class EngineCore:
             backend_cls.name, policy_cls.name, use_cuda_graphs, self.async_scheduling,
             config.speculative.describe() if config.speculative else "off",
         )
-        plugins.hook.pagelm_engine_started(engine=self)
+        plugins.notify("pagelm_engine_started", engine=self)
 
     def _proposer_class(self, plugins):
         """The speculative proposer ``speculative_config`` names, checked (None: off)."""
@@ -225,11 +225,11 @@ class EngineCore:
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
             self._first_scheduled.pop(req.request_id, None)
-            self.plugins.hook.pagelm_request_finished(request=req, reason="abort")
+            self.plugins.notify("pagelm_request_finished", request=req, reason="abort")
 
     def finish_by_stop_string(self, request_ids: Iterable[str]) -> None:
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED):
-            self.plugins.hook.pagelm_request_finished(request=req, reason="stop")
+            self.plugins.notify("pagelm_request_finished", request=req, reason="stop")
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or a step in flight whose outputs ``step()`` has yet to return."""
@@ -283,9 +283,9 @@ class EngineCore:
             for out in outputs:
                 out.first_scheduled_time = self._first_scheduled.pop(out.request_id, None)
         for req in finished:
-            self.plugins.hook.pagelm_request_finished(request=req, reason=req.status.finish_reason)
+            self.plugins.notify("pagelm_request_finished", request=req, reason=req.status.finish_reason)
         return outputs
 
     def shutdown(self) -> None:
         self.structured_output.shutdown()
-        self.plugins.hook.pagelm_engine_shutdown(engine=self)
+        self.plugins.notify("pagelm_engine_shutdown", engine=self)
