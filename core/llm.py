@@ -30,6 +30,25 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model, **engine_args)
         self.engine = LLMEngine(self.config)
         self._counter = itertools.count()
+        self._shut_down = False
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the engine (its grammar workers, the ``pagelm_engine_shutdown`` hook). Safe to
+        call twice; the engine takes no more requests after it."""
+        if not self._shut_down:
+            self._shut_down = True
+            self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down; create a new one to generate again")
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -45,6 +64,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the prompts' order. Every prompt is
         validated before any is queued, so bad input raises without leaving work behind."""
+        self._check_open()
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
