@@ -104,6 +104,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Structured output: constrain the text to a JSON schema, regex, choice or grammar.
     guided_decoding: GuidedDecodingParams | None = None
+    # Per-request data for plugins (vLLM's name): a policy or proposer reads
+    # ``request.sampling_params.extra_args``. JSON-like values only: it crosses to the engine
+    # core's process as msgpack.
+    extra_args: dict[str, Any] | None = None
     # Filled by the engine from generation_config / tokenizer; not a user knob.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -171,6 +175,13 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of non-negative token ids")
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             raise bad("guided_decoding", "a GuidedDecodingParams or None")
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict) or not all(isinstance(k, str) for k in self.extra_args):
+                raise bad("extra_args", "a dict with string keys, or None")
+            try:
+                _json.dumps(self.extra_args, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"extra_args must hold JSON values only (it crosses processes): {exc}") from None
 
     @property
     def greedy(self) -> bool:

@@ -230,6 +230,8 @@ def test_priority_and_cache_salt_are_accepted(client):
         # Beyond int64: it used to pass and then kill the engine core for everyone.
         (dict(extra_body={"top_k": 2**63}), "top_k"),
         (dict(seed=2**64 - 1, n=2), "seed"),
+        (dict(extra_body={"priority": 2**63}), "priority"),
+        (dict(extra_body={"extra_args": ["not", "a", "dict"]}), "extra_args"),
         (dict(extra_body={"min_p": 2}), "min_p"),
         (dict(presence_penalty=3), "presence_penalty"),
         (dict(max_tokens=600), "max_tokens"),
@@ -244,6 +246,13 @@ def test_invalid_parameters_are_400_naming_the_parameter(client, server, kwargs,
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
     assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_extra_args_are_accepted_for_plugins(client):
+    r = client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=2, extra_body={"extra_args": {"deadline_ms": 50, "tenant": "a"}}
+    )
+    assert r.choices[0].finish_reason in ("length", "stop")
 
 
 def test_openai_client_sees_bad_request_error_and_server_keeps_serving(client):

@@ -54,8 +54,11 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # pagelm / vLLM extras
-    priority: int = 0
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
     cache_salt: str | None = None
+    # Per-request data for plugins (SamplingParams.extra_args); the openai client sends it
+    # with extra_body={"extra_args": {...}}.
+    extra_args: dict[str, Any] | None = None
     # Structured output: OpenAI's response_format, or one of vLLM's guided_* fields.
     response_format: ResponseFormat | None = None
     guided_json: str | dict[str, Any] | None = None

@@ -49,6 +49,7 @@ MAX_LOGPROBS = 20
 _SAMPLING_NAMES = {
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+    "extra_args",
 }
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -92,7 +93,7 @@ class OpenAIServing:
             ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            guided_decoding=self.guided_decoding(req),
+            guided_decoding=self.guided_decoding(req), extra_args=req.extra_args,
         )
         try:
             return SamplingParams(**kwargs)
