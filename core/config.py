@@ -135,11 +135,8 @@ class EngineConfig:
             )
         if self.load_format not in ("auto", "safetensors", "dummy"):
             out.append(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
-        if self.speculative_config is not None:
-            try:
-                self.speculative
-            except ValueError as exc:
-                out.append(str(exc))
+        # speculative_config is checked when the engine starts, after its method is looked up
+        # among the registered proposers (EngineCore._proposer_class).
         return out
 
     @property

@@ -24,7 +24,7 @@ import pluggy
 
 from pagelm import hookspecs
 from pagelm.plugin_api import PLUGIN_API_ATTRIBUTE, PLUGIN_API_VERSION, api_incompatibility, declared_api_version
-from pagelm.registry import Registry
+from pagelm.registry import PluginError, Registry
 
 logger = logging.getLogger("pagelm")
 
@@ -33,7 +33,7 @@ BUILTIN_DISTRIBUTION = "pagelm"
 IN_PROCESS = "(in-process)"
 
 
-class PluginLoadError(RuntimeError):
+class PluginLoadError(PluginError):
     """A plugin entry point could not be imported or registered."""
 
 
@@ -74,12 +74,16 @@ class PluginManager:
         with self._lock:
             if self._entry_points_loaded:
                 return
-            allow = _allow_list()
+            allow = _name_list("PAGELM_PLUGINS")
+            disabled = _name_list("PAGELM_DISABLE_PLUGINS") or set()
             autoload = os.environ.get("PAGELM_DISABLE_PLUGIN_AUTOLOAD", "") not in ("1", "true", "True")
             for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
                 dist = ep.dist.name if ep.dist is not None else "?"
                 version = ep.dist.version if ep.dist is not None else "?"
                 info = PluginInfo(ep.name, ep.value, dist, version)
+                if ep.name in disabled:  # built-in ones too
+                    self.not_loaded[ep.name] = (info, "disabled (PAGELM_DISABLE_PLUGINS)")
+                    continue
                 if dist != BUILTIN_DISTRIBUTION:
                     if not autoload:
                         self.not_loaded[ep.name] = (info, "disabled (PAGELM_DISABLE_PLUGIN_AUTOLOAD)")
@@ -105,7 +109,7 @@ class PluginManager:
         except Exception as exc:
             raise PluginLoadError(
                 f"pagelm plugin {info.name!r} ({info.module}, from {info.distribution}) failed to import: "
-                f"{type(exc).__name__}: {exc}"
+                f"{type(exc).__name__}: {exc}{_exclude_hint(info.name)}"
             ) from exc
 
     def register(self, plugin: Any, name: str | None = None) -> None:
@@ -145,7 +149,7 @@ class PluginManager:
         if problem is not None:
             raise PluginLoadError(
                 f"pagelm plugin {info.name!r} ({info.module}, from {info.distribution} {info.version}) "
-                f"is incompatible: {problem}"
+                f"is incompatible: {problem}{_exclude_hint(info.name)}"
             )
         return declared
 
@@ -157,14 +161,31 @@ class PluginManager:
 
     # ---- registries ----------------------------------------------------------------------
     def _collect(self, kind: str, exclude: list[Any] | None = None) -> Registry:
+        """Call each plugin's registration hook on its own, so that an entry that breaks the
+        contract, or a hook that raises, is an error naming that plugin."""
         self.load_entry_points()
         hook_name, base = _registry_kinds()[kind]
         registry: Registry = Registry(kind, base=base)
         caller = getattr(self.pm.hook, hook_name)
         if exclude:
             caller = self.pm.subset_hook_caller(hook_name, remove_plugins=exclude)
-        caller(registry=registry)
+        for impl in reversed(caller.get_hookimpls()):
+            registry.adding = self.describe(impl.plugin_name)
+            try:
+                impl.function(registry=registry)
+            except PluginError:
+                raise
+            except Exception as exc:
+                raise PluginError(f"{registry.adding} failed in {hook_name}: {type(exc).__name__}: {exc}") from exc
+        registry.adding = None
         return registry
+
+    def describe(self, plugin_name: str) -> str:
+        """``plugin 'name' (module, from distribution)``, for messages."""
+        info = self.loaded.get(plugin_name)
+        if info is None:
+            return f"pagelm plugin {plugin_name!r}"
+        return f"pagelm plugin {plugin_name!r} ({info.module}, from {info.distribution})"
 
     def attention_backends(self) -> Registry:
         return self._collect("attention backend")
@@ -235,11 +256,19 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
     }
 
 
-def _allow_list() -> set[str] | None:
-    raw = os.environ.get("PAGELM_PLUGINS")
+def _name_list(variable: str) -> set[str] | None:
+    """The comma-separated plugin names in environment ``variable`` (None: unset)."""
+    raw = os.environ.get(variable)
     if raw is None:
         return None
     return {name.strip() for name in raw.split(",") if name.strip()}
+
+
+def _exclude_hint(name: str) -> str:
+    return (
+        f"; to start without it set PAGELM_DISABLE_PLUGINS={name} (or list the plugins to load "
+        "in PAGELM_PLUGINS, or PAGELM_DISABLE_PLUGIN_AUTOLOAD=1 for built-ins only)"
+    )
 
 
 _manager: PluginManager | None = None

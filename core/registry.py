@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -11,6 +12,11 @@ class UnknownNameError(ValueError):
     """An unknown backend/policy/model name; the message lists the registered ones."""
 
 
+class PluginError(RuntimeError):
+    """A plugin broke its contract (a class with abstract methods left, a registration hook
+    that raised, a proposer's bad drafts...); the message names the plugin and what is wrong."""
+
+
 class Registry(Generic[T]):
     def __init__(self, kind: str, base: type | None = None) -> None:
         self.kind = kind
@@ -18,12 +24,22 @@ class Registry(Generic[T]):
         self.base = base
         self._entries: dict[str, T] = {}
         self._sources: dict[str, str] = {}
+        # Who is adding entries now ("plugin 'x' (module, from dist)"), set by the plugin
+        # manager around each plugin's registration hook, for errors that name the culprit.
+        self.adding: str | None = None
 
     def add(self, name: str, entry: T, *, source: str | None = None) -> None:
         if self.base is not None and not (isinstance(entry, type) and issubclass(entry, self.base)):
-            raise TypeError(
-                f"{self.kind} {name!r} must be a subclass of {self.base.__module__}.{self.base.__qualname__}, "
-                f"got {entry!r}"
+            raise PluginError(
+                f"{self.adding or 'a plugin'} registers {self.kind} {name!r}, which must be a subclass of "
+                f"{self.base.__module__}.{self.base.__qualname__}, got {entry!r}"
+            )
+        if self.base is not None and inspect.isabstract(entry):
+            missing = ", ".join(sorted(entry.__abstractmethods__))
+            raise PluginError(
+                f"{self.adding or 'a plugin'} registers {self.kind} {name!r} "
+                f"({entry.__module__}.{entry.__qualname__}), which does not implement {missing} "
+                f"(abstract in {self.base.__qualname__})"
             )
         if name in self._entries and self._entries[name] is not entry:
             raise ValueError(
@@ -43,9 +59,6 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self._entries)
-
-    def source(self, name: str) -> str:
-        return self._sources[name]
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries

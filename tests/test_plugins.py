@@ -12,7 +12,7 @@ from pagelm import hookimpl
 from pagelm.cli import main as cli_main
 from pagelm.plugin_api import PLUGIN_API_VERSION, api_incompatibility
 from pagelm.plugin_manager import PluginLoadError, PluginManager
-from pagelm.registry import UnknownNameError
+from pagelm.registry import PluginError, UnknownNameError
 
 
 def install_fake_distribution(tmp_path, monkeypatch, name, module_source, entry_name=None):
@@ -192,7 +192,7 @@ def test_registry_rejects_an_entry_of_the_wrong_kind():
 
     pm = PluginManager()
     pm.register(Plugin(), name="bogus-plugin")
-    with pytest.raises(TypeError, match=r"scheduling policy 'bogus' must be a subclass of pagelm.sched.policy.SchedulingPolicy"):
+    with pytest.raises(PluginError, match=r"plugin 'bogus-plugin' .*registers scheduling policy 'bogus', which must be a subclass of pagelm.sched.policy.SchedulingPolicy"):
         pm.scheduling_policies()
 
 

@@ -123,15 +123,18 @@ class EngineCore:
 
     def _proposer_class(self, plugins):
         """The speculative proposer ``speculative_config`` names, checked (None: off)."""
-        spec = self.config.speculative
-        if spec is None:
+        raw = self.config.speculative_config
+        if raw is None:
             return None
         proposers = plugins.proposers()
-        if spec.method not in proposers:
+        method = raw.get("method") if isinstance(raw, dict) else None
+        # The method first: with an unknown one the other keys' problems are beside the point.
+        if isinstance(method, str) and method not in proposers:
             raise ValueError(
-                f"speculative_config.method={spec.method!r} is not a registered proposer; "
+                f"speculative_config.method={method!r} is not a registered proposer; "
                 f"registered: {', '.join(proposers.names()) or '(none)'}"
             )
+        spec = self.config.speculative  # a ValueError naming the bad key
         proposer_cls = proposers.get(spec.method)
         problems = proposer_cls.validate(self.config)
         if problems:

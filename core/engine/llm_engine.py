@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from pagelm.config import EngineConfig
 from pagelm.engine.engine_core import EngineCore
+from pagelm.hub import resolve_model
 from pagelm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest, RequestState
 from pagelm.kv_cache import make_block_hasher
 from pagelm.outputs import RequestOutput
@@ -46,6 +47,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, core_factory: Callable[..., Any] = EngineCore) -> None:
         self.config = config
+        if not Path(config.model).expanduser().is_dir():
+            # A hub id becomes its local snapshot; anything else fails here at once, not after
+            # the tokenizer's ~50 s of hub retries.
+            config.model = resolve_model(config.model)
         model_dir = Path(config.model).expanduser()
         self.tokenizer = (
             None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.tokenizer or config.model)

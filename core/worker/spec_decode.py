@@ -39,6 +39,7 @@ import torch
 from pagelm.attention import CommonAttentionMetadata, GraphSupport
 from pagelm.kv_cache import cdiv
 from pagelm.sample import RejectionSampler
+from pagelm.registry import PluginError
 from pagelm.sample.sampler import LogprobsTensors
 from pagelm.spec_decode.backoff import DraftBackoff
 from pagelm.spec_decode.proposer import ProposalBatch, Proposer, decode_attention_metadata
@@ -281,15 +282,33 @@ class SpecDecodeRunner:
         # Proposing is not sync-free yet: its small host-to-device inputs, and the drafts the
         # scheduler needs back (EAGLE).
         with host_sync_point():
-            drafts = self.proposer.propose(batch)
-        assert len(drafts) == n, f"proposer {self.proposer.name!r} returned {len(drafts)} draft lists for {n} requests"
-        drafts = [list(d[: int(m)]) for d, m in zip(drafts, max_drafts)]
+            drafts = self._checked(self.proposer.propose(batch), n, max_drafts, runner.vocab_size)
         found = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=n)
         self._proposed[rows] = found
         if self.backoff is not None:  # asked and found nothing: a miss, as a rejected draft is
             empty = (max_drafts > 0) & (found == 0)
             if empty.any():
                 self.backoff.observe_empty(rows[empty])
+        return drafts
+
+    def _checked(self, drafts, n: int, max_drafts: np.ndarray, vocab_size: int) -> list[list[int]]:
+        """The proposal cut to each request's room, or a ``PluginError`` naming the proposer:
+        one list of token ids in the vocabulary per request (a few ints per request, checked
+        in one numpy pass)."""
+        who = f"proposer {self.proposer.name!r} ({type(self.proposer).__module__}.{type(self.proposer).__qualname__})"
+        if not isinstance(drafts, (list, tuple)) or len(drafts) != n:
+            got = f"{len(drafts)} lists" if isinstance(drafts, (list, tuple)) else repr(drafts)[:80]
+            raise PluginError(f"{who}: propose() must return one list of draft ids per request ({n}), got {got}")
+        if any(d is None or isinstance(d, (str, bytes, dict)) for d in drafts):
+            raise PluginError(f"{who}: propose() returned a draft that is not a list of token ids: {drafts!r:.200}")
+        drafts = [list(d[: int(m)]) for d, m in zip(drafts, max_drafts)]
+        flat = [t for d in drafts for t in d]
+        if flat:
+            ids = np.asarray(flat)
+            if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab_size:
+                raise PluginError(
+                    f"{who}: propose() returned draft ids outside the vocabulary [0, {vocab_size}): {flat[:16]}"
+                )
         return drafts
 
     def may_draft(self, states) -> bool:
