@@ -248,6 +248,33 @@ def test_invalid_parameters_are_400_naming_the_parameter(client, server, kwargs,
     assert set(err) == {"message", "type", "param", "code"}
 
 
+def test_an_unknown_field_is_a_400_naming_it(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "priority_": 1}
+    r = httpx.post(f"{server}/v1/completions", json=body, headers=headers)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "priority_" and "unknown field(s): priority_" in err["message"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "guided_jsn": {}}
+    r = httpx.post(f"{server}/v1/chat/completions", json=chat, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_jsn"
+
+
+def test_fields_the_openai_api_defines_are_accepted(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_completion_tokens=2, store=False,
+        parallel_tool_calls=False, metadata={"k": "v"}, user="u1", service_tier="auto",
+    )
+    assert r.usage.completion_tokens <= 2
+
+
+def test_allow_unknown_fields_ignores_them(llama_dir):
+    with running_server(str(llama_dir), "--num-kv-blocks", "64", "--max-model-len", "128", "--allow-unknown-fields") as url:
+        body = {"prompt": "hi", "max_tokens": 2, "priority_": 1, "some_vendor_extra": {"a": 1}}
+        r = httpx.post(f"{url}/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+
+
 def test_extra_args_are_accepted_for_plugins(client):
     r = client.completions.create(
         model=MODEL, prompt="hi", max_tokens=2, extra_body={"extra_args": {"deadline_ms": 50, "tenant": "a"}}

@@ -36,6 +36,10 @@ def add_parser(sub) -> None:
         "--log-stats-interval", type=float, default=10.0,
         help="seconds between throughput/KV usage log lines; 0 turns them off (default: 10)",
     )
+    server.add_argument(
+        "--allow-unknown-fields", action="store_true",
+        help="ignore request fields neither pagelm nor the OpenAI API defines (default: a 400 naming them)",
+    )
     server.add_argument("--log-level", default="info", help="log level (default: info)")
     server.add_argument(
         "--access-log", action=argparse.BooleanOptionalAction, default=True, help="log every HTTP request (default: on)"
@@ -86,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or default_name,
         log_stats_interval=args.log_stats_interval or None,
     )
-    app = build_app(engine, api_key=args.api_key)
+    app = build_app(engine, api_key=args.api_key, allow_unknown_fields=args.allow_unknown_fields)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,
         timeout_graceful_shutdown=5,

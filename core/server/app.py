@@ -29,11 +29,14 @@ from pagelm.server.protocol import (
 from pagelm.server.serving import OpenAIServing
 
 
-def build_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None, allow_unknown_fields: bool = False
+) -> FastAPI:
     """The app serving ``engine``. It starts the engine's output loop at start-up and shuts the
-    engine down when the server stops."""
+    engine down when the server stops. ``allow_unknown_fields``: ignore request fields
+    neither pagelm nor the OpenAI API defines, instead of a 400 naming them."""
     model_name = model_name or engine.model_name
-    serving = OpenAIServing(engine, model_name)
+    serving = OpenAIServing(engine, model_name, allow_unknown_fields=allow_unknown_fields)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -78,6 +81,7 @@ def build_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str |
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         serving.check_model(body.model)
+        serving.check_fields(body)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
@@ -90,6 +94,7 @@ def build_app(engine: AsyncLLM, *, model_name: str | None = None, api_key: str |
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         serving.check_model(body.model)
+        serving.check_fields(body)
         bad = [t for t in body.tokens if not 0 <= t < engine.engine.vocab_size]
         if bad:
             raise APIError(f"tokens {bad[:8]} are outside the vocabulary", param="tokens")

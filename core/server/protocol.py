@@ -10,8 +10,25 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class OpenAIModel(BaseModel):
-    # Unknown fields are accepted and ignored, as the OpenAI API grows faster than servers.
+    # Nested objects (messages, content parts) keep what newer clients add to them.
     model_config = ConfigDict(extra="ignore")
+
+
+class RequestBody(OpenAIModel):
+    """A top-level request: extra fields are kept (``model_extra``) so that the server can
+    name them in a 400 (``OpenAIServing.check_fields``) rather than silently drop a typo."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+# Fields the OpenAI API defines that pagelm does not model: accepted and ignored, so that
+# clients that send them keep working. Anything else unknown is a 400 naming it.
+OPENAI_COMPLETION_FIELDS = frozenset({"user"})
+OPENAI_CHAT_FIELDS = frozenset({
+    "audio", "function_call", "functions", "metadata", "modalities", "parallel_tool_calls", "prediction",
+    "prompt_cache_key", "reasoning_effort", "safety_identifier", "service_tier", "store", "tool_choice",
+    "user", "verbosity", "web_search_options",
+})
 
 
 class StreamOptions(OpenAIModel):
@@ -30,7 +47,7 @@ class ResponseFormat(OpenAIModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestBody):
     """What completions and chat completions share."""
 
     model: str | None = None
@@ -74,11 +91,6 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-
-
-class TextContentPart(OpenAIModel):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(OpenAIModel):
@@ -213,7 +225,7 @@ class ModelList(OpenAIModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -227,7 +239,7 @@ class TokenizeResponse(OpenAIModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

@@ -38,8 +38,11 @@ from pagelm.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    OPENAI_CHAT_FIELDS,
+    OPENAI_COMPLETION_FIELDS,
     DeltaMessage,
     PromptTokensDetails,
+    RequestBody,
     SamplingFields,
     TopLogprob,
     Usage,
@@ -55,8 +58,9 @@ _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_gramma
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, *, allow_unknown_fields: bool = False) -> None:
         self.engine = engine
+        self.allow_unknown_fields = allow_unknown_fields
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         if self.tokenizer is None:
@@ -66,6 +70,18 @@ class OpenAIServing:
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
+
+    def check_fields(self, req: RequestBody, openai_fields: frozenset[str] = frozenset()) -> None:
+        """A field neither pagelm nor the OpenAI API defines (a typo such as ``priority_``, or
+        a vLLM extra pagelm does not implement) is a 400 naming it, not silently dropped;
+        ``--allow-unknown-fields`` restores ignoring them for clients that send extras."""
+        unknown = sorted(set(req.model_extra or ()) - openai_fields)
+        if unknown and not self.allow_unknown_fields:
+            raise APIError(
+                f"unknown field(s): {', '.join(unknown)} (start the server with --allow-unknown-fields "
+                "to ignore fields it does not know)",
+                param=unknown[0],
+            )
 
     def check_engine(self) -> None:
         if self.engine.dead_error is not None:
@@ -154,6 +170,7 @@ class OpenAIServing:
     # ---- completions ----------------------------------------------------------------------
     async def completion(self, req: CompletionRequest) -> CompletionResponse | StreamingResponse:
         self.check_model(req.model)
+        self.check_fields(req, OPENAI_COMPLETION_FIELDS)
         self.check_engine()
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
@@ -270,6 +287,7 @@ class OpenAIServing:
     # ---- chat completions -----------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest) -> ChatCompletionResponse | StreamingResponse:
         self.check_model(req.model)
+        self.check_fields(req, OPENAI_CHAT_FIELDS)
         self.check_engine()
         if req.tools:
             raise APIError("tools are not supported", param="tools")
