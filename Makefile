@@ -15,7 +15,7 @@ test: setup
 	$(PYTHON) -m pytest -q
 
 demo: setup
-	$(PYTHON) -m pagelm.demo
+	$(PYTHON) -m pagelm.plugins.demo
 
 serve: setup
 	$(PYTHON) -m pip install -q -e ".[server]"

@@ -33,7 +33,7 @@ LAYERS = {
     ],
     3: ["pagelm.worker"],
     4: ["pagelm.engine", "pagelm.metrics"],
-    5: ["pagelm.llm", "pagelm.cli", "pagelm.server", "pagelm.testing", "pagelm.demo", "pagelm.demo_model"],
+    5: ["pagelm.llm", "pagelm.cli", "pagelm.plugins.server", "pagelm.testing", "pagelm.demo", "pagelm.plugins.demo.model"],
 }
 
 

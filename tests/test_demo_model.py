@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagelm import demo_model
-from pagelm.demo_model import DEMO_MODEL_NAME, TRAINING_LOG, DemoModelArgs, ensure_demo_model, train_demo_model
+from pagelm.plugins.demo import model as demo_model
+from pagelm.plugins.demo.model import DEMO_MODEL_NAME, TRAINING_LOG, DemoModelArgs, ensure_demo_model, train_demo_model
 
 # Small enough to train in a couple of seconds; the real recipe only changes sizes and steps.
 TINY = dict(

@@ -44,10 +44,10 @@ def test_serve_flags_and_yaml_config_are_engine_arguments(tmp_path):
 
 
 def test_serve_without_a_model_uses_the_demo_model(monkeypatch, llama_dir):
-    import pagelm.demo_model
-    from pagelm.cli.serve import resolve_serve_model
+    import pagelm.plugins.demo.model
+    from pagelm.plugins.server.cli import resolve_serve_model
 
-    monkeypatch.setattr(pagelm.demo_model, "ensure_demo_model", lambda *a, **k: llama_dir)
+    monkeypatch.setattr(pagelm.plugins.demo.model, "ensure_demo_model", lambda *a, **k: llama_dir)
     assert resolve_serve_model(None) == (str(llama_dir), "pagelm-demo")
 
 
@@ -87,7 +87,7 @@ def test_serve_hub_id_offline_exits_with_a_clear_message(tmp_path):
 @pytest.fixture
 def app_engine(llama_dir):
     from pagelm.engine.async_llm import AsyncLLM
-    from pagelm.server.app import build_app
+    from pagelm.plugins.server.app import build_app
 
     engine = AsyncLLM.from_model(str(llama_dir), engine_process=False, num_kv_blocks=64, max_model_len=256)
     yield build_app(engine, model_name="m"), engine

@@ -9,7 +9,7 @@ import importlib
 import sys
 
 # The core's subcommand modules under pagelm.cli, listed first by `pagelm --help`.
-COMMANDS = ["serve", "generate", "plugins"]
+COMMANDS = ["generate", "plugins"]
 
 
 def build_parser() -> argparse.ArgumentParser:

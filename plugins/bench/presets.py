@@ -112,13 +112,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-# ``--model demo``: the built-in demo model (pagelm.demo_model), e.g. to measure an EAGLE
+# ``--model demo``: the built-in demo model (pagelm.plugins.demo.model), e.g. to measure an EAGLE
 # head trained for it by ``pagelm train-eagle``.
 DEMO = "demo"
 
 
 def default_presets_dir() -> Path:
-    from pagelm.demo_model import default_cache_dir
+    from pagelm.plugins.demo.model import default_cache_dir
 
     return default_cache_dir() / "presets"
 
@@ -146,7 +146,7 @@ def resolve_bench_model(
     ``demo`` into the built-in demo model's (trained weights and tokenizer; trained on first
     use)."""
     if model == DEMO:
-        from pagelm.demo_model import ensure_demo_model
+        from pagelm.plugins.demo.model import ensure_demo_model
 
         return str(ensure_demo_model()), dict(engine_kwargs)
     if model in PRESETS:

@@ -224,7 +224,7 @@ def standin_tokenizer(model_dir: Path, out_dir: Path | None = None) -> Path:
         for i in [ids] if isinstance(ids, int) else ids or []:
             specials[i] = f"<|{key.removesuffix('_token_id')}_{i}|>"
     if out_dir is None:
-        from pagelm.demo_model import default_cache_dir
+        from pagelm.plugins.demo.model import default_cache_dir
 
         tag = "-".join(str(i) for i in sorted(specials))
         out_dir = default_cache_dir() / "bench-tokenizers" / f"vocab{vocab_size}-special{tag}"

@@ -121,6 +121,6 @@ class TokenWorkload:
 
 @functools.cache
 def _stdlib_texts() -> tuple[str, ...]:
-    from pagelm.demo_model import stdlib_sources
+    from pagelm.plugins.demo.model import stdlib_sources
 
     return tuple(text for _, text in stdlib_sources(4_000_000))

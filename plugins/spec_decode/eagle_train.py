@@ -176,7 +176,7 @@ def _prompts(llm, cfg: EagleTrainConfig) -> list[list[int]]:
     tokenizer = llm.get_tokenizer()
     texts = cfg.prompts
     if texts is None and tokenizer is not None:
-        from pagelm.demo_model import stdlib_sources
+        from pagelm.plugins.demo.model import stdlib_sources
 
         sources = [text for _, text in stdlib_sources(2_000_000) if len(text) > 4000]
         texts = []

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     target = args.target
     if target is None:
-        from pagelm.demo_model import ensure_demo_model
+        from pagelm.plugins.demo.model import ensure_demo_model
 
         target = ensure_demo_model()
     prompts = None

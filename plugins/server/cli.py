@@ -57,7 +57,7 @@ def resolve_serve_model(given: str | None, revision: str | None = None) -> tuple
     """(local model directory, default served name) for MODEL, the demo model when None."""
     if given is None:
         try:
-            from pagelm.demo_model import ensure_demo_model
+            from pagelm.plugins.demo.model import ensure_demo_model
         except ImportError as exc:
             raise SystemExit(f"no MODEL given and the built-in demo model is unavailable: {exc}")
         path = ensure_demo_model()
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pagelm.config import EngineConfig
     from pagelm.engine.async_llm import AsyncLLM
-    from pagelm.server.app import build_app
+    from pagelm.plugins.server.app import build_app
 
     level = getattr(logging, args.log_level.upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(message)s")

@@ -15,8 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import pagelm
 from pagelm.engine.async_llm import AsyncLLM
-from pagelm.server.errors import APIError, install_error_handlers
-from pagelm.server.protocol import (
+from pagelm.plugins.server.errors import APIError, install_error_handlers
+from pagelm.plugins.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -26,7 +26,7 @@ from pagelm.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagelm.server.serving import OpenAIServing
+from pagelm.plugins.server.serving import OpenAIServing
 
 
 def build_app(

@@ -23,9 +23,9 @@ from pagelm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagelm.engine.output_processor import OutputKind
 from pagelm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagelm.sampling_params import GuidedDecodingParams, SamplingParams
-from pagelm.server.errors import APIError, param_of
+from pagelm.plugins.server.errors import APIError, param_of
 from pagelm.structured_output import validate_guided_decoding
-from pagelm.server.protocol import (
+from pagelm.plugins.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,

@@ -1,4 +1,4 @@
-"""``python -m pagelm.demo``: make sure the built-in demo model exists, then complete a few
+"""``python -m pagelm.plugins.demo``: make sure the built-in demo model exists, then complete a few
 Python prompts and answer one chat message with it through the offline ``LLM`` API."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ CHAT = [{"role": "user", "content": "Write a Python function is_prime(n): Return
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagelm.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pagelm.plugins.demo", description=__doc__)
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: $PAGELM_CACHE_DIR or ~/.cache/pagelm")
     parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args(argv)
 
     from pagelm import LLM, SamplingParams
-    from pagelm.demo_model import ensure_demo_model
+    from pagelm.plugins.demo.model import ensure_demo_model
 
     model_dir = ensure_demo_model(args.cache_dir)
     print(f"demo model: {model_dir}")
