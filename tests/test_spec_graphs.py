@@ -90,7 +90,7 @@ def test_verify_graph_real_rows_equal_the_eager_steps_inputs(llama_dir):
     step = spec._graph_step(runner, states, starts, counts, drafts)
     assert step is not None and step.graph_size == 4 and step.num_tokens == 12
     spec.graphs._derive_inputs(step.graph_size)
-    eager = runner._prepare_inputs(states, starts, counts, allow_graph=False, drafts=drafts)
+    eager = runner.prepare_inputs(states, starts, counts, allow_graph=False, drafts=drafts)
 
     rows = np.concatenate([np.arange(4 * i + 4 - c, 4 * i + 4) for i, c in enumerate(counts)])
     assert step.input_ids[rows].tolist() == eager.input_ids.tolist()

@@ -145,8 +145,8 @@ class ModelRunner:
                 sampling_params=SamplingParams(), block_ids=blocks, need_prompt_logprobs=False,
             )))
         try:
-            step = self._prepare_inputs(states, [0] * num_reqs, counts, allow_graph=False)
-            logits = self._logits(step)
+            step = self.prepare_inputs(states, [0] * num_reqs, counts, allow_graph=False)
+            logits = self.compute_logits(step)
             md = SamplingMetadata(
                 temperature=torch.ones(num_reqs, device=self.device), all_greedy=False, all_random=True,
                 top_k=torch.full((num_reqs,), 50, device=self.device),
@@ -231,7 +231,7 @@ class ModelRunner:
         if self._inputs_uploaded is not None:
             with host_sync_point():  # the previous step's uploads have read the pinned staging
                 self._inputs_uploaded.synchronize()
-        step = self._prepare_inputs(states, starts, counts)
+        step = self.prepare_inputs(states, starts, counts)
         # Before this step's placeholders: seeds and min_tokens count the outputs before it.
         md = build_sampling_metadata(states, self.eos_token_ids, self.vocab_size, self.device)
         if previous is not None:
@@ -244,7 +244,7 @@ class ModelRunner:
                 self._feed_samples(previous, step, feeds)
         if self._inputs_uploaded is not None:
             self._inputs_uploaded.record()
-        logits, hidden = self._logits(step, return_hidden=True)
+        logits, hidden = self.compute_logits(step, return_hidden=True)
         pending = PendingStep(sched, req_ids, states, self._add_placeholders(states, starts, counts))
         pending.inputs, pending.hidden, pending.starts, pending.counts = step, hidden, starts, counts
         pending.logits, pending.sampling_metadata = logits, md
@@ -274,7 +274,7 @@ class ModelRunner:
             sampled = SamplerOutput(race(logits, noise, md.temperature, bitmask), None)
         else:
             if constrained:
-                self._apply_grammar(logits, constrained, pending.req_ids)
+                self.apply_grammar(logits, constrained, pending.req_ids)
             sampled = self.sampler(logits, md, self.generator, noise)
         prompt_logprobs = self._prompt_logprobs_tensors(
             pending.states, pending.starts, pending.counts, pending.hidden, step.common
@@ -349,7 +349,7 @@ class ModelRunner:
         else:
             step.input_ids.index_copy_(0, index[0], token_ids)
 
-    def _logits(self, step: StepInputs, return_hidden: bool = False, logits_indices: torch.Tensor | None = None):
+    def compute_logits(self, step: StepInputs, return_hidden: bool = False, logits_indices: torch.Tensor | None = None):
         """Queue the forward pass and the LM head over each request's last token (or over
         the hidden rows ``logits_indices``: drafts and the positions verifying them)."""
         n = step.num_reqs
@@ -369,7 +369,7 @@ class ModelRunner:
         logits = self.model.compute_logits(last_hidden)
         return (logits, hidden) if return_hidden else logits
 
-    def _apply_grammar(
+    def apply_grammar(
         self,
         logits: torch.Tensor,
         constrained: list[str],
@@ -394,7 +394,7 @@ class ModelRunner:
             rows = torch.tensor(logits_rows, dtype=torch.long).to(self.device, non_blocking=True)
         apply_token_bitmask(logits, bitmask, rows=rows)
 
-    def _prepare_inputs(self, states, starts, counts, allow_graph: bool = True, drafts=None) -> StepInputs:
+    def prepare_inputs(self, states, starts, counts, allow_graph: bool = True, drafts=None) -> StepInputs:
         """Write the flattened batch into the persistent buffers (see ``InputBuffers``).
         ``drafts[i]``: draft tokens that follow request ``i``'s known tokens (speculative)."""
         b, bs = self.buffers, self.block_size
@@ -489,7 +489,7 @@ class ModelRunner:
         common = self.cuda_graphs.common_metadata(graph_size)
         return StepInputs(num_reqs, num_reqs, common, None, None, True, graph_size)
 
-    def _prompt_logprobs(self, states, starts, counts, hidden, common) -> dict[str, LogprobsLists]:
+    def prompt_logprobs(self, states, starts, counts, hidden, common) -> dict[str, LogprobsLists]:
         """``_prompt_logprobs_tensors`` on the host (a device read: inside a host sync point)."""
         tensors = self._prompt_logprobs_tensors(states, starts, counts, hidden, common)
         return {req_id: logprobs_lists(t) for req_id, t in tensors.items()}

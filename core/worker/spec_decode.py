@@ -159,7 +159,7 @@ class SpecDecodeRunner:
         """Forward pass, verification and proposal for a step where some requests carry drafts."""
         step = self._graph_step(runner, states, starts, counts, drafts)
         if step is None:
-            step = runner._prepare_inputs(states, starts, counts, drafts=drafts)
+            step = runner.prepare_inputs(states, starts, counts, drafts=drafts)
         graph_out = None
         if isinstance(step, VerifyGraphStep):  # launched first: the host work below overlaps it
             graph_out = self.graphs.replay(step.graph_size)
@@ -184,17 +184,17 @@ class SpecDecodeRunner:
             hidden, logits = graph_out
             hidden, logits = hidden[: step.num_tokens], logits[index]
         else:
-            logits, hidden = runner._logits(step, return_hidden=True, logits_indices=index)
+            logits, hidden = runner.compute_logits(step, return_hidden=True, logits_indices=index)
         if sched.structured_output_request_ids and runner.structured_output is not None:
             # A guided request's 1 + d rows from row_start: what its grammar allows after each
             # prefix of its drafts. The rejection sampler then verifies against masked logits.
-            runner._apply_grammar(
+            runner.apply_grammar(
                 logits, sched.structured_output_request_ids, req_ids, rows_of=row_start.tolist(),
                 drafts=sched.scheduled_spec_decode_tokens,
             )
         with host_sync_point():  # the verified tokens (and logprobs) come to the host
             verified = self.rejection_sampler(logits, md, [list(d) for d in drafts], runner.generator)
-            prompt_logprobs = runner._prompt_logprobs(states, starts, counts, hidden, step.common)
+            prompt_logprobs = runner.prompt_logprobs(states, starts, counts, hidden, step.common)
             logprobs = _split_logprobs(verified.logprobs, states, row_start, verified.token_ids)
 
         if self.backoff is not None:
