@@ -11,6 +11,7 @@ from pagelm.kv_cache import KVCacheManager, make_block_hasher
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.policies.fcfs import FCFSPolicy
 from pagelm.plugins.policies.priority import PriorityPolicy
+from pagelm.registry import PluginError
 from pagelm.request import Request
 from pagelm.sched.scheduler import Scheduler
 from pagelm.worker.output import ModelRunnerOutput
@@ -163,3 +164,16 @@ def test_a_policy_that_always_preempts_cannot_stall_the_engine(llama_dir, ping_p
     assert 3 <= llm.engine.core.scheduler.num_preemptions <= 6
     kv = llm.engine.core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_victim_that_is_not_running_is_an_error_naming_the_policy():
+    class Confused(FCFSPolicy):
+        def select_victim_for(self, request, running):
+            return request  # the waiting request itself, not a running one
+
+    sched = _scheduler(Confused, max_num_seqs=1)
+    sched.add_request(_request("a", [1, 2, 3]))
+    _step(sched)
+    sched.add_request(_request("b", [4, 5, 6]))
+    with pytest.raises(PluginError, match=r"scheduling_policy='fcfs' \(test_preemption_regressions\..*Confused\) chose a victim that is not running"):
+        sched.schedule()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pagelm.config import EngineConfig
 from pagelm.engine.core_output import EngineCoreOutput
 from pagelm.kv_cache import KVCacheManager
+from pagelm.registry import PluginError
 from pagelm.request import Request, RequestStatus
 from pagelm.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagelm.sched.policy import SchedulingPolicy
@@ -355,7 +356,7 @@ class Scheduler:
 
     def _check_victim(self, victim: Request) -> None:
         if victim not in self.running:
-            raise RuntimeError(
+            raise PluginError(
                 f"scheduling_policy={self.config.scheduling_policy!r} ({type(self.policy).__module__}."
                 f"{type(self.policy).__qualname__}) chose a victim that is not running: {victim!r}"
             )
