@@ -248,6 +248,12 @@ def test_invalid_parameters_are_400_naming_the_parameter(client, server, kwargs,
     assert set(err) == {"message", "type", "param", "code"}
 
 
+def test_completion_max_tokens_null_means_16(server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": None, "ignore_eos": True, "temperature": 0}
+    r = httpx.post(f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+
+
 def test_an_unknown_field_is_a_400_naming_it(server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "priority_": 1}

@@ -49,6 +49,7 @@ from pagelm.plugins.server.protocol import (
 )
 
 MAX_LOGPROBS = 20
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 _SAMPLING_NAMES = {
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
@@ -177,13 +178,16 @@ class OpenAIServing:
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of other than n is not supported", param="best_of")
         echo_logprobs = req.logprobs if req.echo else None
+        # An explicit null means the default, 16, as in vLLM and OpenAI's completions API (not
+        # "up to the context length", which a client could repeat cheaply).
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         params = self.sampling_params(
-            req, max_tokens=req.max_tokens, max_tokens_name="max_tokens", logprobs=req.logprobs,
+            req, max_tokens=max_tokens, max_tokens_name="max_tokens", logprobs=req.logprobs,
             logprobs_name="logprobs", prompt_logprobs=echo_logprobs,
         )
         prompts = self._completion_prompts(req.prompt)
         for p in prompts:
-            self.check_prompt(p["prompt_token_ids"], req.max_tokens, "prompt", "max_tokens")
+            self.check_prompt(p["prompt_token_ids"], max_tokens, "prompt", "max_tokens")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse(self._completion_stream(request_id, prompts, params, req))
