@@ -272,7 +272,7 @@ class Scheduler:
             blocks = self.kv.allocate_slots(req, num_new, lookahead)
             if blocks is not None:
                 return blocks
-            victim = self._victim_for_room(req)
+            victim = self._victim_for_room()
             self._preempt(victim, out, step)
             if victim is req:
                 return None
@@ -333,11 +333,11 @@ class Scheduler:
     def _protected(self, req: Request) -> bool:
         return req.num_stalled_preemptions >= self.max_stalled_preemptions
 
-    def _victim_for_room(self, req: Request) -> Request:
-        """The policy's victim when ``req`` (running) needs KV room, unless that request is
-        protected: then the newest unprotected running request (``req`` itself if none is
-        newer), or the newest of all if every one is protected. The oldest running request
-        is then never the victim while another runs, so it always finishes: progress."""
+    def _victim_for_room(self) -> Request:
+        """The policy's victim when a running request needs KV room, unless that victim is
+        protected: then the newest unprotected running request, or the newest of all if
+        every one is protected. The oldest running request is then never the victim while
+        another runs, so it always finishes: progress."""
         victim = self.policy.select_victim(self.running)
         self._check_victim(victim)
         if not self._protected(victim):
