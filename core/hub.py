@@ -22,7 +22,9 @@ ALLOW_PATTERNS = [
     "*.jinja",  # chat templates kept beside the tokenizer
 ]
 
-_REPO_ID = re.compile(r"^[\w.\-]+/[\w.\-]+$")
+# The hub's own rule (huggingface_hub's validate_repo_id): each part starts and ends with a word
+# character, no ".." or "--". So "./model", "../model" and "~/model" are paths, never hub ids.
+_REPO_ID = re.compile(r"^(?!.*(\.\.|--))\w([\w.\-]*\w)?/\w([\w.\-]*\w)?$")
 
 
 class ModelResolutionError(RuntimeError):

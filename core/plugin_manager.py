@@ -1,13 +1,16 @@
 """Loads plugins from the ``pagelm.plugins`` entry-point group and answers "which class is
 called X" for every plugin kind.
 
-* Built-in plugins are entry points of the ``pagelm`` distribution itself and always load.
+* Built-in plugins are entry points of the ``pagelm`` distribution itself and load unless
+  named in ``PAGELM_DISABLE_PLUGINS=a,b``, which leaves out any plugin by name.
 * Third-party ones load unless ``PAGELM_DISABLE_PLUGIN_AUTOLOAD=1``; ``PAGELM_PLUGINS=a,b``
   loads only the named ones.
 * Loading is idempotent and happens once per process; ``check_pending()`` afterwards makes a
   misspelt ``pagelm_*`` hook fail loudly.
 * A plugin declaring an incompatible ``PAGELM_PLUGIN_API`` is rejected with a message naming
-  it and both versions (see :mod:`pagelm.plugin_api`).
+  it and both versions (see :mod:`pagelm.plugin_api`) and how to start without it.
+* Lifecycle hooks are called through ``notify``, one plugin at a time: an exception is logged
+  and counted, never raised into the engine.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ class PluginManager:
         except Exception as exc:
             raise PluginLoadError(
                 f"pagelm plugin {info.name!r} ({info.module}, from {info.distribution}) failed to import: "
-                f"{type(exc).__name__}: {exc}{_exclude_hint(info.name)}"
+                f"{type(exc).__name__}: {exc}{_exclude_hint(info)}"
             ) from exc
 
     def register(self, plugin: Any, name: str | None = None) -> None:
@@ -149,7 +152,7 @@ class PluginManager:
         if problem is not None:
             raise PluginLoadError(
                 f"pagelm plugin {info.name!r} ({info.module}, from {info.distribution} {info.version}) "
-                f"is incompatible: {problem}{_exclude_hint(info.name)}"
+                f"is incompatible: {problem}{_exclude_hint(info)}"
             )
         return declared
 
@@ -264,11 +267,13 @@ def _name_list(variable: str) -> set[str] | None:
     return {name.strip() for name in raw.split(",") if name.strip()}
 
 
-def _exclude_hint(name: str) -> str:
-    return (
-        f"; to start without it set PAGELM_DISABLE_PLUGINS={name} (or list the plugins to load "
-        "in PAGELM_PLUGINS, or PAGELM_DISABLE_PLUGIN_AUTOLOAD=1 for built-ins only)"
-    )
+def _exclude_hint(info: PluginInfo) -> str:
+    """How to start without plugin ``info``: by name always; a third-party one also by loading
+    only named plugins or none (those switches leave built-ins loaded, so they would not help)."""
+    hint = f"; to start without it set PAGELM_DISABLE_PLUGINS={info.name}"
+    if info.builtin:
+        return hint
+    return hint + " (or list the plugins to load in PAGELM_PLUGINS, or PAGELM_DISABLE_PLUGIN_AUTOLOAD=1 for built-ins only)"
 
 
 _manager: PluginManager | None = None

@@ -1,9 +1,15 @@
 """Every contract violation names the plugin and what is wrong; a broken plugin can be left
 out by name; a missing model or an unknown proposer fails at once with a clear message."""
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
+from huggingface_hub import constants
 
 from pagelm import LLM, SamplingParams, hookimpl
 from pagelm.plugin_manager import PluginLoadError, PluginManager, get_plugin_manager
@@ -31,11 +37,32 @@ class ReturnsNone(Proposer):
         return None
 
 
+class NegativeIds(Proposer):
+    name = "negative_ids"
+
+    def propose(self, batch):
+        return [[-1] * int(m) for m in batch.max_num_drafts]
+
+
+class OneIntPerRequest(Proposer):
+    name = "one_int_per_request"
+
+    def propose(self, batch):
+        return [5] * batch.num_reqs
+
+
+class FloatIds(Proposer):
+    name = "float_ids"
+
+    def propose(self, batch):
+        return [[5.0] * int(m) for m in batch.max_num_drafts]
+
+
 class Plugins:
     @hookimpl
     def pagelm_register_proposers(self, registry):
-        registry.add(OutOfVocabulary.name, OutOfVocabulary)
-        registry.add(ReturnsNone.name, ReturnsNone)
+        for proposer in (OutOfVocabulary, ReturnsNone, NegativeIds, OneIntPerRequest, FloatIds):
+            registry.add(proposer.name, proposer)
 
 
 @pytest.fixture
@@ -77,6 +104,9 @@ def test_a_registration_hook_that_raises_is_named():
 @pytest.mark.parametrize("method, problem", [
     ("out_of_vocabulary", r"draft ids outside the vocabulary \[0, \d+\)"),
     ("returns_none", r"must return one list of draft ids per request"),
+    ("negative_ids", r"draft ids outside the vocabulary \[0, \d+\): \[-1, -1\]"),
+    ("one_int_per_request", r"returned a draft that is not a list of token ids: \[5\]"),
+    ("float_ids", r"draft ids that are not integers: \[5\.0, 5\.0\]"),
 ])
 def test_a_proposer_returning_bad_drafts_is_named(llama_dir, registered, method, problem):
     registered(Plugins(), "test-bad-proposers")
@@ -88,7 +118,7 @@ def test_a_proposer_returning_bad_drafts_is_named(llama_dir, registered, method,
 
 def test_an_incompatible_plugin_says_how_to_leave_it_out(tmp_path, monkeypatch):
     install_fake_distribution(tmp_path, monkeypatch, "pagelm_old", plugin_declaring("1.0"))
-    with pytest.raises(PluginLoadError, match=r"PAGELM_DISABLE_PLUGINS=pagelm_old"):
+    with pytest.raises(PluginLoadError, match=r"set PAGELM_DISABLE_PLUGINS=pagelm_old \(or list the plugins to load in PAGELM_PLUGINS"):
         PluginManager().load_entry_points()
     monkeypatch.setenv("PAGELM_DISABLE_PLUGINS", "pagelm_old")
     pm = PluginManager()
@@ -110,9 +140,48 @@ def test_an_unknown_proposer_method_is_the_error(llama_dir):
         LLM(str(llama_dir), speculative_config={"method": "nope"})
 
 
-@pytest.mark.parametrize("model", ["missing-dir", "/no/such/model", "./relative/missing"])
+@pytest.mark.parametrize("model", ["missing-dir", "/no/such/model", "./relative/missing", "./missing-dir", "../missing-dir"])
 def test_a_model_path_that_does_not_exist_fails_at_once(model):
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=rf"model {model!r} is not a local model directory"):
         LLM(model)
     assert time.monotonic() - start < 2.0
+
+
+def test_a_hub_id_not_in_the_cache_fails_at_once_when_offline(monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"model 'no-such-org/no-such-model': HF_HUB_OFFLINE is set and it is not in the local"):
+        LLM("no-such-org/no-such-model")
+    assert time.monotonic() - start < 2.0
+
+
+DISABLED_SJF = """
+    import json, sys
+    from pagelm import LLM, SamplingParams
+
+    model = sys.argv[1]
+    try:
+        LLM(model, dtype="float32", device="cpu", scheduling_policy="sjf")
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    llm = LLM(model, dtype="float32", device="cpu")
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    print(json.dumps({"error": error, "tokens": list(out[0].outputs[0].token_ids)}))
+"""
+
+
+def test_llm_runs_with_a_builtin_policy_disabled(llama_dir):
+    # Plugins load once per process: a fresh one sees PAGELM_DISABLE_PLUGINS from the start.
+    env = {**os.environ, "PAGELM_DISABLE_PLUGINS": "sjf"}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(DISABLED_SJF), str(llama_dir)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    assert got["error"] == "unknown scheduling policy 'sjf'; registered: fcfs, priority"
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu")
+    want = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert got["tokens"] == list(want[0].outputs[0].token_ids)

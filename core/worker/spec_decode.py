@@ -299,13 +299,15 @@ class SpecDecodeRunner:
         if not isinstance(drafts, (list, tuple)) or len(drafts) != n:
             got = f"{len(drafts)} lists" if isinstance(drafts, (list, tuple)) else repr(drafts)[:80]
             raise PluginError(f"{who}: propose() must return one list of draft ids per request ({n}), got {got}")
-        if any(d is None or isinstance(d, (str, bytes, dict)) for d in drafts):
+        if not all(isinstance(d, (list, tuple, np.ndarray)) for d in drafts):
             raise PluginError(f"{who}: propose() returned a draft that is not a list of token ids: {drafts!r:.200}")
         drafts = [list(d[: int(m)]) for d, m in zip(drafts, max_drafts)]
         flat = [t for d in drafts for t in d]
         if flat:
             ids = np.asarray(flat)
-            if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab_size:
+            if ids.ndim != 1 or ids.dtype.kind not in "iu":
+                raise PluginError(f"{who}: propose() returned draft ids that are not integers: {flat[:16]!r:.200}")
+            if ids.min() < 0 or ids.max() >= vocab_size:
                 raise PluginError(
                     f"{who}: propose() returned draft ids outside the vocabulary [0, {vocab_size}): {flat[:16]}"
                 )
