@@ -79,6 +79,9 @@ class EngineConfig:
     # Speculative decoding: {"method": "ngram" | "eagle", "num_speculative_tokens": k, ...}
     # (see pagelm.spec_decode.config); None = off.
     speculative_config: dict[str, Any] | None = None
+    # Most logprobs (and prompt_logprobs) one request may ask for, as vLLM's max_logprobs:
+    # each is a top-k over the vocabulary every step. -1: up to the vocabulary size.
+    max_logprobs: int = 20
     # Extra, plugin-specific settings (e.g. a policy's knobs) pass through untouched.
     plugin_config: dict[str, Any] = field(default_factory=dict)
 
@@ -133,6 +136,8 @@ class EngineConfig:
             out.append(
                 f"structured_output_compile_timeout must be > 0 seconds, got {self.structured_output_compile_timeout}"
             )
+        if self.max_logprobs < -1:
+            out.append(f"max_logprobs must be >= 0, or -1 for the vocabulary size, got {self.max_logprobs}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             out.append(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
         # speculative_config is checked when the engine starts, after its method is looked up

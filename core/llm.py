@@ -12,7 +12,6 @@ from pagelm.config import EngineConfig
 from pagelm.engine.llm_engine import LLMEngine, PromptType
 from pagelm.outputs import RequestOutput
 from pagelm.sampling_params import SamplingParams
-from pagelm.structured_output import validate_guided_decoding
 
 Conversation = list[dict[str, Any]]
 
@@ -76,8 +75,10 @@ class LLM:
             text, token_ids = self.engine.tokenize_prompt(p)
             self.engine.validate_prompt(token_ids)
             tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
-        for sp in {id(sp): sp for sp in params if sp.guided_decoding is not None}.values():
-            validate_guided_decoding(self.config, sp.guided_decoding)
+        # Once per distinct pair: one SamplingParams shared by every prompt is the usual case,
+        # and checking a guided one compiles its grammar.
+        for sp, prio in {(id(sp), id(prio)): (sp, prio) for sp, prio in zip(params, priorities)}.values():
+            self.engine.validate_params(sp, prio)
 
         ids = [str(next(self._counter)) for _ in prompts]
         for req_id, prompt, sp, prio, salt in zip(ids, tokenized, params, priorities, salts):

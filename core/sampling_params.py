@@ -7,6 +7,8 @@ import json as _json
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 # Below this temperature a request is decoded greedily (argmax), as in vLLM.
 SAMPLING_EPS = 1e-5
 # Every integer parameter fits a signed 64-bit integer (as vLLM bounds them): it crosses the
@@ -176,12 +178,7 @@ class SamplingParams:
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             raise bad("guided_decoding", "a GuidedDecodingParams or None")
         if self.extra_args is not None:
-            if not isinstance(self.extra_args, dict) or not all(isinstance(k, str) for k in self.extra_args):
-                raise bad("extra_args", "a dict with string keys, or None")
-            try:
-                _json.dumps(self.extra_args, allow_nan=False)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"extra_args must hold JSON values only (it crosses processes): {exc}") from None
+            _check_extra_args(self.extra_args)
 
     @property
     def greedy(self) -> bool:
@@ -189,3 +186,18 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
+
+
+def _check_extra_args(extra_args: Any) -> None:
+    """``extra_args`` crosses to the engine core's process as msgpack: JSON values only, and
+    integers within 64 bits (JSON can hold 2**70, msgpack cannot: it failed the request at
+    the wire, after validation)."""
+    if not isinstance(extra_args, dict) or not all(isinstance(k, str) for k in extra_args):
+        raise ValueError(f"extra_args must be a dict with string keys, or None, got {extra_args!r}")
+    try:
+        _json.dumps(extra_args, allow_nan=False)
+        msgpack.packb(extra_args)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(
+            f"extra_args must hold JSON values only, integers within 64 bits (it crosses processes): {exc}"
+        ) from None

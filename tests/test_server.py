@@ -225,6 +225,8 @@ def test_priority_and_cache_salt_are_accepted(client):
         (dict(top_p=1.5), "top_p"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(n=0), "n"),
+        (dict(n=100000), "n"),  # beyond --max-n (128): n = 100000 held the server for minutes
+        (dict(n=2**63), "n"),
         (dict(logprobs=50), "logprobs"),
         (dict(extra_body={"top_k": -3}), "top_k"),
         # Beyond int64: it used to pass and then kill the engine core for everyone.
@@ -237,6 +239,8 @@ def test_priority_and_cache_salt_are_accepted(client):
         (dict(max_tokens=600), "max_tokens"),
         (dict(prompt="word " * 600), "prompt"),
         (dict(temperature="hot"), "temperature"),
+        (dict(extra_body={"stop_token_ids": [2**64]}), "stop_token_ids"),
+        (dict(extra_body={"min_tokens": -1}), "min_tokens"),
     ],
 )
 def test_invalid_parameters_are_400_naming_the_parameter(client, server, kwargs, param):

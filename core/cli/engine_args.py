@@ -42,6 +42,7 @@ _HELP = {
     "structured_output_compile_timeout": "seconds one grammar may take to compile before its requests fail",
     "structured_output_process": "--structured-output-process: fill guided bitmasks in a grammar process; "
     "--no-structured-output-process: on a worker thread (unset: the process on CUDA with async scheduling)",
+    "max_logprobs": "most logprobs / prompt_logprobs a request may ask for; -1: the vocabulary size",
     "plugin_config": "JSON/YAML mapping of plugin-specific settings",
     "speculative_config": 'speculative decoding, JSON/YAML: {"method": "ngram"|"eagle", '
     '"num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": n, "model": DIR}',

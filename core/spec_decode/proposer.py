@@ -70,6 +70,9 @@ class ProposalBatch:
     block_size: int
     # The attention backend's metadata for a ``CommonAttentionMetadata`` (once per pass).
     build_attention_metadata: Callable[[CommonAttentionMetadata], Any]
+    # [n] each request's ``SamplingParams.extra_args`` (per-request data for plugins; None
+    # where the request has none). The engine always fills it.
+    extra_args: list[dict[str, Any] | None] | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -278,6 +278,7 @@ class SpecDecodeRunner:
             rows=rows,
             block_size=runner.block_size,
             build_attention_metadata=runner.metadata_builder.build,
+            extra_args=[s.sampling_params.extra_args for s in states],
         )
         # Proposing is not sync-free yet: its small host-to-device inputs, and the drafts the
         # scheduler needs back (EAGLE).

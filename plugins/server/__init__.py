@@ -1,2 +1,7 @@
 """The OpenAI-compatible HTTP server (``pagelm serve``): FastAPI app, pydantic schemas,
 OpenAI-format errors."""
+
+# Samples one request may ask for (``--max-n``): each is a sequence in the engine, and
+# n = 100000 held the server for minutes (vLLM's CVE-2026-34756 class). Here, not in
+# serving.py, so that the CLI can show it without importing FastAPI.
+DEFAULT_MAX_N = 128

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import pagelm
 from pagelm.engine.async_llm import AsyncLLM
+from pagelm.plugins.server import DEFAULT_MAX_N
 from pagelm.plugins.server.errors import APIError, install_error_handlers
 from pagelm.plugins.server.protocol import (
     ChatCompletionRequest,
@@ -30,13 +31,15 @@ from pagelm.plugins.server.serving import OpenAIServing
 
 
 def build_app(
-    engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None, allow_unknown_fields: bool = False
+    engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None, allow_unknown_fields: bool = False,
+    max_n: int = DEFAULT_MAX_N,
 ) -> FastAPI:
     """The app serving ``engine``. It starts the engine's output loop at start-up and shuts the
     engine down when the server stops. ``allow_unknown_fields``: ignore request fields
-    neither pagelm nor the OpenAI API defines, instead of a 400 naming them."""
+    neither pagelm nor the OpenAI API defines, instead of a 400 naming them; ``max_n``: the
+    most samples (``n``) one request may ask for."""
     model_name = model_name or engine.model_name
-    serving = OpenAIServing(engine, model_name, allow_unknown_fields=allow_unknown_fields)
+    serving = OpenAIServing(engine, model_name, allow_unknown_fields=allow_unknown_fields, max_n=max_n)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

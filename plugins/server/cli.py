@@ -13,6 +13,7 @@ import logging
 import os
 
 from pagelm.cli.engine_args import add_engine_args, engine_kwargs
+from pagelm.plugins.server import DEFAULT_MAX_N
 
 logger = logging.getLogger("pagelm")
 
@@ -40,6 +41,11 @@ def add_parser(sub) -> None:
         "--allow-unknown-fields", action="store_true",
         help="ignore request fields neither pagelm nor the OpenAI API defines (default: a 400 naming them)",
     )
+    server.add_argument(
+        "--max-n", type=_positive_int, default=DEFAULT_MAX_N,
+        help=f"most samples (n) one request may ask for (default: {DEFAULT_MAX_N}); "
+        "the most logprobs is the engine's --max-logprobs",
+    )
     server.add_argument("--log-level", default="info", help="log level (default: info)")
     server.add_argument(
         "--access-log", action=argparse.BooleanOptionalAction, default=True, help="log every HTTP request (default: on)"
@@ -51,6 +57,13 @@ def add_parser(sub) -> None:
     )
     add_engine_args(p)
     p.set_defaults(func=run)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def resolve_serve_model(given: str | None, revision: str | None = None) -> tuple[str, str]:
@@ -90,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or default_name,
         log_stats_interval=args.log_stats_interval or None,
     )
-    app = build_app(engine, api_key=args.api_key, allow_unknown_fields=args.allow_unknown_fields)
+    app = build_app(
+        engine, api_key=args.api_key, allow_unknown_fields=args.allow_unknown_fields, max_n=args.max_n
+    )
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,
         timeout_graceful_shutdown=5,

@@ -4,9 +4,19 @@ sends, plus vLLM's extras: top_k, min_p, repetition_penalty, ignore_eos, priorit
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from pagelm.sampling_params import INT64_MAX, INT64_MIN
+
+
+# Every integer a request carries is bounded here, as vLLM bounds it, so that the server
+# answers 400 naming it before anything leaves the API process: 2**63 once passed, crossed the
+# wire and crashed the engine core's step for every client.
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class OpenAIModel(BaseModel):
@@ -51,19 +61,19 @@ class SamplingFields(RequestBody):
     """What completions and chat completions share."""
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=INT64_MAX)  # and at most the server's --max-n
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = Field(0, ge=-1, le=INT64_MAX)  # 0 or -1: off; beyond the vocabulary: every token
     min_p: float = 0.0
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Count = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
@@ -71,7 +81,7 @@ class SamplingFields(RequestBody):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # pagelm / vLLM extras
-    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
+    priority: Int64 = 0
     cache_salt: str | None = None
     # Per-request data for plugins (SamplingParams.extra_args); the openai client sends it
     # with extra_body={"extra_args": {...}}.
@@ -86,11 +96,11 @@ class SamplingFields(RequestBody):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Count | None = 16
+    logprobs: Count | None = None  # and at most the engine's max_logprobs
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Count | None = None
 
 
 class ChatMessage(OpenAIModel):
@@ -101,10 +111,10 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Count | None = None  # and at most the engine's max_logprobs
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
@@ -241,7 +251,7 @@ class TokenizeResponse(OpenAIModel):
 
 class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(OpenAIModel):

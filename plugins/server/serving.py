@@ -23,6 +23,7 @@ from pagelm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagelm.engine.output_processor import OutputKind
 from pagelm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagelm.sampling_params import GuidedDecodingParams, SamplingParams
+from pagelm.plugins.server import DEFAULT_MAX_N
 from pagelm.plugins.server.errors import APIError, param_of
 from pagelm.structured_output import validate_guided_decoding
 from pagelm.plugins.server.protocol import (
@@ -48,7 +49,6 @@ from pagelm.plugins.server.protocol import (
     Usage,
 )
 
-MAX_LOGPROBS = 20
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 _SAMPLING_NAMES = {
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -59,9 +59,12 @@ _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_gramma
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str, *, allow_unknown_fields: bool = False) -> None:
+    def __init__(
+        self, engine: AsyncLLM, model_name: str, *, allow_unknown_fields: bool = False, max_n: int = DEFAULT_MAX_N
+    ) -> None:
         self.engine = engine
         self.allow_unknown_fields = allow_unknown_fields
+        self.max_n = max_n
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         if self.tokenizer is None:
@@ -98,8 +101,14 @@ class OpenAIServing:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
         if not 0.0 <= req.temperature <= 2.0:
             raise APIError(f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
-        if logprobs is not None and logprobs > MAX_LOGPROBS:
-            raise APIError(f"{logprobs_name} must be at most {MAX_LOGPROBS}, got {logprobs}", param=logprobs_name)
+        if req.n > self.max_n:
+            raise APIError(f"n must be at most {self.max_n} (the server's --max-n), got {req.n}", param="n")
+        limit = self.engine.engine.max_logprobs
+        if logprobs is not None and logprobs > limit:
+            raise APIError(
+                f"{logprobs_name} must be at most {limit} (the server's --max-logprobs), got {logprobs}",
+                param=logprobs_name,
+            )
         bad_ids = [t for t in req.stop_token_ids or [] if not 0 <= t < self.engine.engine.vocab_size]
         if bad_ids:
             raise APIError(f"stop_token_ids {bad_ids} are outside the vocabulary", param="stop_token_ids")
