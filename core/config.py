@@ -71,8 +71,8 @@ class EngineConfig:
     structured_output_backend: str = "xgrammar"
     structured_output_cache_bytes: int = 512 << 20
     structured_output_compile_timeout: float = 30.0
-    # Advance the guided requests' grammars and fill their bitmask rows in a child process
-    # (pagelm.structured_output.grammar_process) instead of a thread of the engine's: the
+    # Advance the guided requests' grammars and fill their bitmask rows in the backend's
+    # offload (xgrammar's: a child process) instead of a thread of the engine's: the
     # step loop then never waits for the GIL on grammar work. None: on where the engine runs
     # on CUDA with async scheduling (there the host time of a step is what it costs).
     structured_output_process: bool | None = None

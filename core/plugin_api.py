@@ -24,7 +24,9 @@ from typing import Any
 # prepare_cudagraph_replay, bind_layers).
 # 2.0 split the scheduling-policy contract: the waiting queue is a RequestQueue the policy
 # makes (make_queue), the policy ranks (rank) and picks victims (docs/plugins.md, migration).
-PLUGIN_API_VERSION = "2.0"
+# 2.1 added StructuredOutputBackend.offload (a GrammarOffload; default None) and
+# ProposalBatch.extra_args.
+PLUGIN_API_VERSION = "2.1"
 PLUGIN_API_ATTRIBUTE = "PAGELM_PLUGIN_API"
 
 _VERSION_RE = re.compile(r"^(\d+)(?:\.(\d+))?$")

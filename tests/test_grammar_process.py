@@ -180,7 +180,7 @@ def test_the_mirror_holds_tokens_while_it_compiles_and_leaves_a_grammar_that_fai
     from pagelm import EngineConfig
     from pagelm.plugins.structured_output.xgrammar_backend import XgrammarBackend
     from pagelm.sample.bitmask import unpack_bitmask
-    from pagelm.structured_output.grammar_process import _COMPILE_WORKERS, _Mirror
+    from pagelm.plugins.structured_output.grammar_process import _COMPILE_WORKERS, _Mirror
 
     vocab = 520
     config = EngineConfig(model=str(llama_dir), **{k: v for k, v in ENGINE_ARGS.items() if k != "device"})

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagelm.structured_output.backend import CompiledGrammar, StructuredOutputBackend, StructuredOutputGrammar
+from pagelm.structured_output.backend import (
+    CompiledGrammar,
+    GrammarOffload,
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+)
 from pagelm.structured_output.cache import GrammarCache
 from pagelm.structured_output.manager import StructuredOutputManager
 
@@ -17,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CompiledGrammar",
     "GrammarCache",
+    "GrammarOffload",
     "StructuredOutputBackend",
     "StructuredOutputGrammar",
     "StructuredOutputManager",

@@ -86,6 +86,45 @@ class CompiledGrammar(ABC):
         """A fresh matcher at the start of the grammar, for one request."""
 
 
+class GrammarOffload(ABC):
+    """Somewhere other than the engine core's threads to advance the guided requests' grammars
+    and fill their bitmask rows: a mirror of each request's grammar, addressed by slot (the
+    built-in one is xgrammar's grammar process, ``pagelm.plugins.structured_output``). It is an
+    accelerator, not the owner: the engine core still compiles every grammar and keeps its own
+    matchers, fills the rows the offload leaves, and does all the work itself once the offload
+    stops (``result`` returning ``None``). Used by the step loop's thread only; every method
+    but ``wait_ready`` and ``result`` returns without waiting."""
+
+    # int32 [rows, ceil(vocab_size / 32)]: the rows ``step`` fills, where the runner reads them.
+    bitmask: torch.Tensor
+
+    @abstractmethod
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether it takes requests, waiting up to ``timeout`` seconds (0: just check)."""
+
+    @abstractmethod
+    def add(self, slot: int, params: "GuidedDecodingParams") -> None:
+        """Mirror a new request's grammar as ``slot``."""
+
+    @abstractmethod
+    def release(self, slot: int) -> None:
+        """The request in ``slot`` left the engine."""
+
+    @abstractmethod
+    def step(self, slots: list[int], tokens: list[list[int]]) -> None:
+        """Advance ``slots[i]`` by ``tokens[i]`` and fill bitmask row ``i`` (slot ``-1``: a
+        request it does not mirror, row left). ``result`` reports what was done."""
+
+    @abstractmethod
+    def result(self) -> tuple[list[int] | None, list[int]]:
+        """Wait for the last ``step``: the rows it left unfilled and the rows whose tokens the
+        grammar rejected (``None`` for the first: the offload stopped, every row is left)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop; the engine core is shutting down."""
+
+
 class StructuredOutputBackend(ABC):
     """A guided-decoding library. Registered with ``pagelm_register_structured_output_backends``
     and chosen with ``structured_output_backend=<name>``.
@@ -139,6 +178,16 @@ class StructuredOutputBackend(ABC):
 
     def shutdown(self) -> None:
         """Release threads or other resources."""
+
+    @classmethod
+    def offload(
+        cls, config: "EngineConfig", vocab_size: int, eos_token_ids: frozenset[int], rows: int, *, pin_memory: bool
+    ) -> GrammarOffload | None:
+        """A ``GrammarOffload`` for ``structured_output_process``, with a ``rows``-row bitmask
+        (pinned for CUDA uploads with ``pin_memory``); None (the default): this backend has
+        none, the engine core's worker thread does the work. Called by the engine core when
+        its first guided request arrives."""
+        return None
 
 
 def build_backend(

@@ -36,14 +36,14 @@ so the grammar is back where it was, and only the tokens the rejection sampler e
 applied to it (``accept_tokens``). Steps that verify drafts run synchronously: the grammars
 are at their request's last token when the rows are filled.
 
-With a grammar process (``structured_output_process``, the default on CUDA with async
-scheduling), the job goes to a child process instead of the worker thread: it mirrors each
-request's grammar (compiling its own copy as the request arrives) and fills the rows in memory
-both processes map, so the step loop never waits for the GIL on grammar work (on the H100 host
-that wait made a batch-64 step 15-23% slower). This side's grammars then fall behind and are
-caught up (``_catch_up``) only where this side works on them itself: rows the process left
-(a request that arrived before it was ready, a grammar it is still compiling, a preemption's
-new order), drafts, or every request once the process is gone (see ``grammar_process``).
+With an offload (``structured_output_process``, the default on CUDA with async scheduling,
+for a backend that has one: xgrammar's grammar process), the job goes there instead of the
+worker thread: it mirrors each request's grammar (compiling its own copy as the request
+arrives) and fills the rows in memory the runner reads, so the step loop never waits for the
+GIL on grammar work (on the H100 host that wait made a batch-64 step 15-23% slower). This
+side's grammars then fall behind and are caught up (``_catch_up``) only where this side works
+on them itself: rows the offload left (a request that arrived before it was ready, a grammar it
+is still compiling, a preemption's new order), drafts, or every request once it is gone.
 
 Compiled grammars are cached by (kind, canonical spec), bounded by their total
 ``memory_size_bytes``, least recently used evicted first. Requests asking for a constraint
@@ -69,6 +69,7 @@ import torch
 from pagelm.kv_cache import cdiv
 from pagelm.structured_output.backend import (
     CompiledGrammar,
+    GrammarOffload,
     StructuredOutputBackend,
     StructuredOutputGrammar,
     build_backend,
@@ -79,7 +80,6 @@ if TYPE_CHECKING:
     from pagelm.config import EngineConfig
     from pagelm.request import Request
     from pagelm.sampling_params import GuidedDecodingParams
-    from pagelm.structured_output.grammar_process import GrammarProcess
 
 logger = logging.getLogger("pagelm")
 
@@ -137,11 +137,12 @@ class StructuredOutputManager:
         self._staged: torch.Tensor | None = None
         self._ordered: torch.Tensor | None = None  # the step's order, when staged rows are not
         self._drafted: torch.Tensor | None = None  # rows of a step verifying drafts (1 + d each)
-        # The grammar process (grammar_process=True), started with the first guided request:
-        # the slots of the requests it mirrors, and the tokens it applied that this side's
-        # grammars have not yet (``_catch_up`` applies them where this side needs its own).
+        # The offload (grammar_process=True and the backend has one), started with the first
+        # guided request: the slots of the requests it mirrors, and the tokens it applied that
+        # this side's grammars have not yet (``_catch_up`` applies them where this side needs
+        # its own).
         self.use_grammar_process = grammar_process
-        self._process: GrammarProcess | None = None
+        self._process: GrammarOffload | None = None
         self._slots: dict[str, int] = {}
         self._next_slot = itertools.count()
         self._lag: dict[str, list[int]] = {}
@@ -154,7 +155,7 @@ class StructuredOutputManager:
         params = request.sampling_params.guided_decoding
         assert params is not None, f"{request.request_id} has no guided_decoding"
         self.requests[request.request_id] = request
-        if self.use_grammar_process and self._grammar_process().ready:
+        if self.use_grammar_process and self._grammar_process() is not None and self._process.wait_ready(0):
             slot = self._slots[request.request_id] = next(self._next_slot)
             self._process.add(slot, params)  # compiles there alongside the compile here
         key = (params.kind, params.spec)
@@ -271,7 +272,7 @@ class StructuredOutputManager:
         those requests' grammars. A few requests are left to ``grammar_bitmask``: their work
         costs less than the hand-off."""
         self._finish_job()
-        if self._process is not None and self._unapplied and self._process.ready:
+        if self._process is not None and self._unapplied and self._process.wait_ready(0):
             self._job = self._process_step()
         elif len(self._unapplied) >= _THREADED_MIN_REQUESTS:
             if self._bitmask_worker is None:
@@ -379,20 +380,20 @@ class StructuredOutputManager:
 
     # ---- the grammar process -------------------------------------------------------------
     def wait_for_grammar_process(self, timeout: float) -> bool:
-        """Start the grammar process if it is not running and wait up to ``timeout`` seconds
-        until it takes requests (guided requests that arrive before that are never handed to
-        it). For benchmarks and tests; False without ``grammar_process``."""
-        return self.use_grammar_process and self._grammar_process().wait_ready(timeout)
+        """Start the offload if it is not running and wait up to ``timeout`` seconds until it
+        takes requests (guided requests that arrive before that are never handed to it). For
+        benchmarks and tests; False without one."""
+        return self.use_grammar_process and self._grammar_process() is not None and self._process.wait_ready(timeout)
 
-    def _grammar_process(self) -> GrammarProcess:
-        if self._process is None:
-            # Imported here: ``python -m`` runs that module in the process, after this package.
-            from pagelm.structured_output.grammar_process import GrammarProcess
-
-            self._process = GrammarProcess(
-                self.backend_cls, self.config, self.vocab_size, self.eos_token_ids,
-                max(self.config.max_num_seqs, 1), pin_memory=self.pin_memory,
+    def _grammar_process(self) -> GrammarOffload | None:
+        if self._process is None and self.use_grammar_process:
+            self._process = self.backend_cls.offload(
+                self.config, self.vocab_size, self.eos_token_ids, max(self.config.max_num_seqs, 1),
+                pin_memory=self.pin_memory,
             )
+            if self._process is None:  # the backend has none: the worker thread does it
+                logger.info("structured_output_backend=%r has no grammar process", self.backend_cls.name)
+                self.use_grammar_process = False
         return self._process
 
     def _process_step(self) -> "_PendingStep":

@@ -31,7 +31,7 @@ from pagelm import hookimpl
 from pagelm.sampling_params import GuidedDecodingParams
 from pagelm.structured_output import CompiledGrammar, StructuredOutputBackend, StructuredOutputGrammar
 
-PAGELM_PLUGIN_API = "2.0"
+PAGELM_PLUGIN_API = "2.1"
 
 _SETTINGS = {"any_whitespace": bool, "max_whitespace_cnt": int, "compile_threads": int, "fill_threads": int}
 _DEFAULT_FILL_THREADS = 4
@@ -161,6 +161,14 @@ class XgrammarBackend(StructuredOutputBackend):
         else:
             indices = None if rows is None else list(rows)
             self.batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, indices)
+
+    @classmethod
+    def offload(cls, config, vocab_size: int, eos_token_ids: frozenset[int], rows: int, *, pin_memory: bool):
+        """The grammar process: xgrammar's batch calls release the GIL but need it around
+        them, which slowed every stage of the step loop beside them (see grammar_process)."""
+        from pagelm.plugins.structured_output.grammar_process import GrammarProcess
+
+        return GrammarProcess(cls, config, vocab_size, eos_token_ids, rows, pin_memory=pin_memory)
 
 
 def json_schema_for_xgrammar(spec: str) -> str:

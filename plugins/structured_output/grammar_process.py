@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagelm.structured_output.backend import build_backend
+from pagelm.structured_output.backend import GrammarOffload, build_backend
 
 if TYPE_CHECKING:
     from pagelm.config import EngineConfig
@@ -70,9 +70,9 @@ def _bitmask_view(buffer: mmap.mmap, rows: int, words: int) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=torch.int32, count=rows * words).view(rows, words)
 
 
-class GrammarProcess:
-    """The engine core's handle on the grammar process. Not thread-safe: the step loop's
-    thread uses it. Every method but ``result`` returns without waiting for the process."""
+class GrammarProcess(GrammarOffload):
+    """The engine core's handle on the grammar process (what ``XgrammarBackend.offload``
+    returns). Not thread-safe: the step loop's thread uses it."""
 
     def __init__(
         self,
@@ -115,13 +115,7 @@ class GrammarProcess:
         self._ready = False
         self.alive = True
 
-    @property
-    def ready(self) -> bool:
-        """The process has built its backend and takes requests (checked without waiting)."""
-        return self.wait_ready(0)
-
     def wait_ready(self, timeout: float) -> bool:
-        """``ready``, waiting up to ``timeout`` seconds for it."""
         if not self._ready and self.alive:
             try:
                 if self._recv.poll(timeout):
@@ -135,20 +129,15 @@ class GrammarProcess:
         return self._ready and self.alive
 
     def add(self, slot: int, params: "GuidedDecodingParams") -> None:
-        """Mirror a request's grammar as ``slot`` (compiled there, or from its cache)."""
         self._post(("add", slot, params))
 
     def release(self, slot: int) -> None:
         self._post(("release", slot))
 
     def step(self, slots: list[int], tokens: list[list[int]]) -> None:
-        """Advance ``slots[i]`` by ``tokens[i]`` and fill bitmask row ``i`` (slot ``-1``: a
-        request it does not mirror, row left). ``result`` reports what was done."""
         self._post(("step", slots, tokens))
 
     def result(self) -> tuple[list[int] | None, list[int]]:
-        """Wait for the last ``step``: the rows it left unfilled and the rows whose tokens its
-        grammar rejected (``None`` for the first: the process is gone, every row is left)."""
         if self.alive:
             try:
                 return self._recv.recv()
