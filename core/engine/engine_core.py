@@ -102,7 +102,6 @@ class EngineCore:
             config, structured_output_cls, self.vocab_size, eos_token_ids,
             pin_memory=self.device.type == "cuda", grammar_process=grammar_process,
         )
-        self.runner.structured_output = self.structured_output
         self.scheduler = Scheduler(
             config, self.kv_cache_manager, policy_cls(config), self.max_model_len, self.structured_output,
             num_lookahead_tokens=0 if proposer_cls is None else proposer_cls.num_lookahead_slots(config),

@@ -1,9 +1,12 @@
 """What the scheduler tells the model runner each step. Plain data, no tensors: the whole
-decision is "which requests, how many tokens each, which new blocks"."""
+decision is "which requests, how many tokens each, which new blocks", and, for guided
+requests, where their allowed-token bitmask comes from."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagelm.sampling_params import SamplingParams
 
@@ -41,9 +44,13 @@ class SchedulerOutput:
     # Requests whose runner-side state must be dropped before this step.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
-    # Requests under a grammar (guided decoding) that sample a token this step: the runner
-    # asks its structured-output provider for their allowed-token bitmask rows.
+    # Requests under a grammar (guided decoding) that sample a token this step, and how the
+    # runner gets their allowed-token bitmask: ``grammar_bitmask(req_ids, drafts=None)``
+    # (StructuredOutputManager.grammar_bitmask; None when no request is guided). A call, not a
+    # tensor: the runner makes it once the forward pass is queued, so that the grammar work of
+    # the previous step overlaps the pass rather than delaying it.
     structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Callable[[list[str], Sequence[Sequence[int]] | None], Any] | None = None
     # Some request's sampling reads its previous tokens on the host (penalties): with async
     # scheduling this step waits for the one in flight and runs synchronously. (Grammars need
     # them too, but only for the bitmask: that step's forward pass still runs ahead.)

@@ -234,6 +234,7 @@ class Scheduler:
             samples = req.num_computed_tokens + num_new >= req.num_tokens_with_placeholders
             if req.grammar is not None and samples:
                 out.structured_output_request_ids.append(req_id)  # it samples: mask its logits
+                out.grammar_bitmask = self.structured_output.grammar_bitmask
             if req.reads_output_history:
                 out.needs_previous_tokens = True
             # Progress is booked at scheduling time; the runner reads the pre-step value.

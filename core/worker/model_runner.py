@@ -84,8 +84,6 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
-        # Set by the engine when guided decoding is available: grammar_bitmask(req_ids).
-        self.structured_output = None
         # Speculative decoding (enable_speculative_decoding): verification and proposals.
         self.spec: SpecDecodeRunner | None = None
         # The last step launched, until it is finished: the next step reads its samples.
@@ -262,19 +260,19 @@ class ModelRunner:
         sched, step, md = pending.sched, pending.inputs, pending.sampling_metadata
         logits, pending.logits = pending.logits, None
         noise, pending.noise = pending.noise, None
-        constrained = sched.structured_output_request_ids if self.structured_output is not None else []
+        constrained = sched.structured_output_request_ids
         fusable = noise is not None and Sampler.race_fusable(md) and constrained in ([], pending.req_ids)
         race = fused_kernel("exponential_race") if fusable else None
         if race is not None:
             # One kernel: temperature, the grammar's bitmask when every request has one, the
             # race over the noise drawn at launch.
-            bitmask = self.structured_output.grammar_bitmask(constrained) if constrained else None
+            bitmask = sched.grammar_bitmask(constrained) if constrained else None
             if bitmask is not None:
                 bitmask = upload_bitmask(bitmask, self.device)  # overlaps the forward pass
             sampled = SamplerOutput(race(logits, noise, md.temperature, bitmask), None)
         else:
             if constrained:
-                self.apply_grammar(logits, constrained, pending.req_ids)
+                self.apply_grammar(logits, sched, pending.req_ids)
             sampled = self.sampler(logits, md, self.generator, noise)
         prompt_logprobs = self._prompt_logprobs_tensors(
             pending.states, pending.starts, pending.counts, pending.hidden, step.common
@@ -370,18 +368,15 @@ class ModelRunner:
         return (logits, hidden) if return_hidden else logits
 
     def apply_grammar(
-        self,
-        logits: torch.Tensor,
-        constrained: list[str],
-        req_ids: list[str],
-        rows_of: list[int] | None = None,
-        drafts: dict[str, list[int]] | None = None,
+        self, logits: torch.Tensor, sched: SchedulerOutput, req_ids: list[str], rows_of: list[int] | None = None
     ) -> None:
-        """``rows_of[i]``: the (first) logits row of ``req_ids[i]`` (default ``i``; differs
-        when drafts add rows); ``drafts``: the drafts a request verifies, one row each after
-        its first (speculative decoding), masked with what its grammar allows after them."""
+        """Mask the logits of ``sched``'s guided requests with their grammar bitmask.
+        ``rows_of[i]``: the (first) logits row of ``req_ids[i]`` (default ``i``; differs when
+        drafts add rows); a request verifying drafts has one row each after its first,
+        masked with what its grammar allows after them."""
+        constrained, drafts = sched.structured_output_request_ids, sched.scheduled_spec_decode_tokens
         guided_drafts = [drafts.get(r, ()) for r in constrained] if drafts else None
-        bitmask = self.structured_output.grammar_bitmask(constrained, guided_drafts)
+        bitmask = sched.grammar_bitmask(constrained, guided_drafts)
         if bitmask is None:
             return
         rows = None  # every request constrained: bitmask row i is logits row i

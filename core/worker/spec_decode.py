@@ -185,13 +185,10 @@ class SpecDecodeRunner:
             hidden, logits = hidden[: step.num_tokens], logits[index]
         else:
             logits, hidden = runner.compute_logits(step, return_hidden=True, logits_indices=index)
-        if sched.structured_output_request_ids and runner.structured_output is not None:
+        if sched.structured_output_request_ids:
             # A guided request's 1 + d rows from row_start: what its grammar allows after each
             # prefix of its drafts. The rejection sampler then verifies against masked logits.
-            runner.apply_grammar(
-                logits, sched.structured_output_request_ids, req_ids, rows_of=row_start.tolist(),
-                drafts=sched.scheduled_spec_decode_tokens,
-            )
+            runner.apply_grammar(logits, sched, req_ids, rows_of=row_start.tolist())
         with host_sync_point():  # the verified tokens (and logprobs) come to the host
             verified = self.rejection_sampler(logits, md, [list(d) for d in drafts], runner.generator)
             prompt_logprobs = runner.prompt_logprobs(states, starts, counts, hidden, step.common)
