@@ -7,7 +7,7 @@ from pagelm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagelm.models.qwen2 import Qwen2ForCausalLM
 from pagelm.models.qwen3 import Qwen3ForCausalLM
 
-PAGELM_PLUGIN_API = "2.0"
+PAGELM_PLUGIN_API = "2.1"
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 
