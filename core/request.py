@@ -148,6 +148,14 @@ class Request:
         self._all_token_ids.extend(token_ids)
         self._update_block_hashes()
 
+    def attach_block_hasher(self, block_hasher: BlockHasher) -> None:
+        """Hash this request's full blocks from now on. The engine core does it as the request
+        arrives, in its own process, so that a prompt is hashed once, where the prefix cache
+        reads the hashes (the API process never hashes)."""
+        if self._block_hasher is None:
+            self._block_hasher = block_hasher
+            self._update_block_hashes()
+
     def _update_block_hashes(self) -> None:
         if self._block_hasher is not None:
             self.block_hashes.extend(self._block_hasher(self))

@@ -70,7 +70,7 @@ def test_a_duplicate_request_id_is_rejected_without_touching_the_first(core):
 def test_a_payload_that_does_not_decode_becomes_a_reject_of_that_request():
     payload = encode_request(_request("r1", [1, 2, 3]))
     payload[2]["temperature"] = -1.0  # what a buggy or hostile API process could send
-    kind, (req_id, error) = _decode_command(ADD, payload, make_block_hasher(16))
+    kind, (req_id, error) = _decode_command(ADD, payload)
     assert (kind, req_id) == ("reject", "r1")
     assert "temperature" in error
 

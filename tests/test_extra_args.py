@@ -43,7 +43,7 @@ def test_a_policy_orders_requests_by_their_extra_args(llama_dir, edf):
 
 def test_extra_args_cross_the_engine_core_wire():
     params = SamplingParams(max_tokens=3, extra_args={"deadline_ms": 120, "tags": ["a", "b"], "nested": {"x": 1.5}})
-    decoded = decode_request(encode_request(Request("r", [1, 2], params)), block_hasher=None)
+    decoded = decode_request(encode_request(Request("r", [1, 2], params)))
     assert decoded.sampling_params.extra_args == {"deadline_ms": 120, "tags": ["a", "b"], "nested": {"x": 1.5}}
 
 

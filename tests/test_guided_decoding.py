@@ -589,7 +589,7 @@ def test_outputs_are_the_same_whether_the_bitmask_is_prepared_ahead_or_inline(ll
 
 def test_guided_params_cross_the_engine_core_wire_format():
     params = SamplingParams(guided_decoding=GuidedDecodingParams(json={"type": "object", "properties": {"b": {}, "a": {}}}))
-    request = decode_request(encode_request(Request("r", [5], params)), block_hasher=None)
+    request = decode_request(encode_request(Request("r", [5], params)))
     assert request.sampling_params.guided_decoding == params.guided_decoding
     assert request.sampling_params.guided_decoding.spec == '{"type":"object","properties":{"b":{},"a":{}}}'
 

@@ -160,3 +160,53 @@ def test_usage_and_free_blocks(kv):
     assert kv.usage() == pytest.approx(0.5)
     kv.free(a)
     assert kv.usage() == 0.0
+
+
+
+def test_a_prompt_is_hashed_once_by_the_engine_core(llama_dir, monkeypatch):
+    """The API side builds requests without hashes; the engine core hashes each prompt block
+    once as the request arrives."""
+    import pagelm.kv_cache.block_hash as block_hash
+    from pagelm import LLM
+
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", block_size=4)
+    calls = []
+    real = block_hash.hash_block_tokens
+    monkeypatch.setattr(block_hash, "hash_block_tokens", lambda *a: calls.append(a[1]) or real(*a))
+    prompt = list(range(5, 15))  # 10 tokens: 2 full blocks of 4
+    llm.engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
+    request = llm.engine.core.scheduler.requests["r"]
+    assert [list(c) for c in calls] == [prompt[:4], prompt[4:8]]
+    assert len(request.block_hashes) == 2
+    llm.engine.abort_request(["r"])
+
+
+def test_the_api_process_never_hashes_and_the_engine_process_still_hits(llama_dir, monkeypatch):
+    """Across the engine-process boundary the prompt was hashed on both sides."""
+    import asyncio
+
+    import pagelm.kv_cache.block_hash as block_hash
+    from pagelm.engine.async_llm import AsyncLLM
+
+    calls = []
+    real = block_hash.hash_block_tokens
+    monkeypatch.setattr(block_hash, "hash_block_tokens", lambda *a: calls.append(1) or real(*a))
+    prompt = {"prompt_token_ids": list(range(5, 45))}
+
+    async def go(engine):
+        cached = []
+        for i in range(2):
+            async for out in engine.generate(prompt, SamplingParams(max_tokens=2), f"r{i}"):
+                pass
+            cached.append(out.num_cached_tokens)
+        return cached
+
+    loop = asyncio.new_event_loop()
+    engine = AsyncLLM.from_model(str(llama_dir), num_kv_blocks=64, max_model_len=256, block_size=8)
+    try:
+        cached = loop.run_until_complete(go(engine))
+    finally:
+        engine.shutdown()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+    assert calls == [] and cached == [0, 32]

@@ -132,12 +132,11 @@ def encode_request(req: Request) -> list:
     ]
 
 
-def decode_request(data: list, block_hasher) -> Request:
+def decode_request(data: list) -> Request:
     req_id, prompt_ids, params, eos, arrival, priority, salt, max_tokens = data
     return Request(
         req_id, prompt_ids, SamplingParams(**params), eos_token_ids=frozenset(eos),
         arrival_time=arrival, priority=priority, cache_salt=salt, max_tokens=max_tokens,
-        block_hasher=block_hasher,
     )
 
 

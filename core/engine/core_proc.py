@@ -32,7 +32,6 @@ from pagelm.engine.core_loop import (
     encode_stats,
     run_core_loop,
 )
-from pagelm.kv_cache import make_block_hasher
 
 logger = logging.getLogger("pagelm")
 
@@ -130,7 +129,6 @@ def serve(conn: MsgSocket) -> int:
             "block_size": config.block_size,
         },
     ])
-    hasher = make_block_hasher(config.block_size)
     _freeze_heap()
 
     def inbox(block: bool) -> list:
@@ -138,7 +136,7 @@ def serve(conn: MsgSocket) -> int:
             msgs = conn.recv(block)
         except EOFError:
             return [(SHUTDOWN, None)]
-        return [_decode_command(kind, p, hasher) for kind, p in msgs]
+        return [_decode_command(kind, p) for kind, p in msgs]
 
     def publish(outputs, stats) -> None:
         conn.publish(encode_outputs(outputs), encode_stats(stats))
@@ -159,13 +157,13 @@ def serve(conn: MsgSocket) -> int:
     return 0
 
 
-def _decode_command(kind: str, payload, hasher) -> tuple:
+def _decode_command(kind: str, payload) -> tuple:
     """An ADD's payload becomes a Request; one that does not (a field the API process should
     have rejected) becomes a REJECT of that request alone."""
     if kind != ADD:
         return kind, payload
     try:
-        return ADD, decode_request(payload, hasher)
+        return ADD, decode_request(payload)
     except Exception as exc:
         req_id = payload[0] if isinstance(payload, list) and payload and isinstance(payload[0], str) else "?"
         return REJECT, (req_id, f"invalid request: {type(exc).__name__}: {exc}")

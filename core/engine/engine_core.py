@@ -26,7 +26,7 @@ from pagelm.attention import GraphSupport, attention_layers
 from pagelm.attention.selector import select_attention_backend
 from pagelm.config import EngineConfig
 from pagelm.engine.core_output import EngineCoreOutput
-from pagelm.kv_cache import KVCacheManager, cdiv
+from pagelm.kv_cache import KVCacheManager, cdiv, make_block_hasher
 from pagelm.model_loader import load_hf_config, load_model, resolve_model_path
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.request import Request, RequestStatus
@@ -92,6 +92,7 @@ class EngineCore:
         self.runner.initialize_kv_cache(self.num_kv_blocks)
         if use_cuda_graphs:
             self.runner.capture_cuda_graphs()
+        self.block_hasher = make_block_hasher(config.block_size)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.async_scheduling = self._use_async_scheduling(use_cuda_graphs, proposer_cls)
         # Guided decoding: grammars compile off the step loop; the runner asks it for bitmasks.
@@ -209,6 +210,7 @@ class EngineCore:
         validated it already; these checks keep one bad request (another client, a bug there)
         from reaching the step loop that serves everyone."""
         self._check_request(request)
+        request.attach_block_hasher(self.block_hasher)
         self.scheduler.add_request(request)
 
     def _check_request(self, request: Request) -> None:

@@ -16,7 +16,6 @@ from pagelm.config import EngineConfig
 from pagelm.engine.engine_core import EngineCore
 from pagelm.hub import resolve_model
 from pagelm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest, RequestState
-from pagelm.kv_cache import make_block_hasher
 from pagelm.outputs import RequestOutput
 from pagelm.request import Request
 from pagelm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
@@ -60,7 +59,6 @@ class LLMEngine:
         self.max_model_len = self.core.max_model_len
         self.vocab_size = self.core.vocab_size
         self.output_processor = OutputProcessor()
-        self._block_hasher = make_block_hasher(config.block_size)
 
     # ---- input processing ----------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -128,7 +126,7 @@ class LLMEngine:
             request = Request(
                 child_id, token_ids, child_params, eos_token_ids=self.core.eos_token_ids,
                 arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
-                max_tokens=max_tokens, block_hasher=self._block_hasher,
+                max_tokens=max_tokens,
             )
             children.append((state, request))
         self._check_ids_free([request_id] + [request.request_id for _, request in children])
