@@ -9,7 +9,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagelm.config import EngineConfig
-from pagelm.engine.llm_engine import LLMEngine, PromptType
+from pagelm.engine.input_processor import ProcessedRequest, PromptType
+from pagelm.engine.llm_engine import LLMEngine
 from pagelm.outputs import RequestOutput
 from pagelm.sampling_params import SamplingParams
 
@@ -70,19 +71,20 @@ class LLM:
         params = _per_prompt(sampling_params if sampling_params is not None else SamplingParams(), len(prompts), "sampling_params")
         priorities = _per_prompt(priority if priority is not None else 0, len(prompts), "priority")
         salts = _per_prompt(cache_salt, len(prompts), "cache_salt")
-        tokenized = []
-        for p in prompts:
-            text, token_ids = self.engine.tokenize_prompt(p)
-            self.engine.validate_prompt(token_ids)
-            tokenized.append({"prompt": text, "prompt_token_ids": token_ids})
+        inputs = self.engine.inputs
+        processed = []
+        for p, sp, prio in zip(prompts, params, priorities):
+            text, token_ids = inputs.tokenize(p)
+            inputs.check_prompt(token_ids)
+            processed.append(ProcessedRequest(text, token_ids, sp, prio))
         # Once per distinct pair: one SamplingParams shared by every prompt is the usual case,
-        # and checking a guided one compiles its grammar.
+        # and checking a guided one parses its constraint.
         for sp, prio in {(id(sp), id(prio)): (sp, prio) for sp, prio in zip(params, priorities)}.values():
-            self.engine.validate_params(sp, prio)
+            inputs.check_params(sp, prio)
 
         ids = [str(next(self._counter)) for _ in prompts]
-        for req_id, prompt, sp, prio, salt in zip(ids, tokenized, params, priorities, salts):
-            self.engine.add_request(req_id, prompt, sp, priority=prio, cache_salt=salt)
+        for req_id, request, salt in zip(ids, processed, salts):
+            self.engine.add_processed(req_id, request, cache_salt=salt)
         return self._run(ids, use_tqdm)
 
     def chat(

@@ -21,7 +21,8 @@ from typing import Any
 from pagelm.config import EngineConfig
 from pagelm.engine.core_client import EngineDeadError, InprocCoreClient, MPCoreClient
 from pagelm.engine.core_loop import SchedulerStats
-from pagelm.engine.llm_engine import LLMEngine, PromptType
+from pagelm.engine.input_processor import ProcessedRequest, PromptType
+from pagelm.engine.llm_engine import LLMEngine
 from pagelm.engine.output_processor import OutputKind
 from pagelm.metrics import EngineMetrics, StatsLogger
 from pagelm.outputs import RequestOutput
@@ -151,7 +152,7 @@ class AsyncLLM:
     # ---- requests -------------------------------------------------------------------------
     async def generate(
         self,
-        prompt: PromptType,
+        prompt: PromptType | ProcessedRequest,
         sampling_params: SamplingParams,
         request_id: str,
         *,
@@ -161,15 +162,18 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs: deltas (``OutputKind.DELTA``, the default) or one final
         output (``FINAL_ONLY``). Bad input raises ``ValueError`` before anything is queued.
+        A ``ProcessedRequest`` (``engine.inputs.process``: the server checks first, to name the
+        field at fault) carries its parameters (``sampling_params`` is the same) and priority and is
+        not checked again.
         Leaving the loop early (or being cancelled) aborts the request."""
         await self._ensure_started()
         if self.dead_error is not None:
             raise self.dead_error
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.engine.add_request(
-            request_id, prompt, sampling_params, output_kind=output_kind, priority=priority, cache_salt=cache_salt
-        )
+        if not isinstance(prompt, ProcessedRequest):  # checked here, once
+            prompt = self.engine.inputs.process(prompt, sampling_params, priority)
+        self.engine.add_processed(request_id, prompt, output_kind=output_kind, cache_salt=cache_salt)
         stream = self._streams[request_id] = _Stream()
         finished = False
         try:

@@ -1,29 +1,25 @@
-"""LLMEngine: text in, text out around an ``EngineCore``. It validates and tokenizes
-prompts, fans ``n > 1`` out into child requests, runs steps, and turns core outputs into
-``RequestOutput``s. ``LLM`` (offline) and the async engine both drive one of these."""
+"""LLMEngine: text in, text out around an ``EngineCore``. Its input processor validates and
+tokenizes prompts; it fans ``n > 1`` out into child requests, runs steps, and turns core
+outputs into ``RequestOutput``s. ``LLM`` (offline) and the async engine both drive one of these."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 from pathlib import Path
-from typing import Any, Union
 
 from transformers import AutoTokenizer
 
 from pagelm.config import EngineConfig
 from pagelm.engine.engine_core import EngineCore
+from pagelm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagelm.hub import resolve_model
 from pagelm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest, RequestState
 from pagelm.outputs import RequestOutput
 from pagelm.request import Request
-from pagelm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
-from pagelm.structured_output import validate_guided_decoding
-
-# vLLM's prompt shapes: a string, or {"prompt_token_ids": [...]} (TokensPrompt), or
-# {"prompt": "..."} (TextPrompt).
-PromptType = Union[str, dict[str, Any]]
+from pagelm.sampling_params import INT64_MIN, SamplingParams
 
 
 def load_eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
@@ -59,40 +55,11 @@ class LLMEngine:
         self.max_model_len = self.core.max_model_len
         self.vocab_size = self.core.vocab_size
         self.output_processor = OutputProcessor()
-
-    # ---- input processing ----------------------------------------------------------------
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt" in prompt):
-            text = prompt if isinstance(prompt, str) else prompt["prompt"]
-            if self.tokenizer is None:
-                raise ValueError("skip_tokenizer_init=True: prompts must be {'prompt_token_ids': [...]}, not text")
-            return text, self.tokenizer.encode(text)
-        raise ValueError(
-            "prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
-            f"got {type(prompt).__name__}"
-        )
-
-    def validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("prompt must contain at least one token")
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens; with max_model_len={self.max_model_len} it must "
-                f"have at most {self.max_model_len - 1} so one token can be generated"
-            )
+        self.inputs = InputProcessor(config, self.tokenizer, self.vocab_size, self.max_model_len)
 
     @property
     def max_logprobs(self) -> int:
-        """The most ``logprobs`` / ``prompt_logprobs`` a request may ask for: the config's
-        ``max_logprobs`` (-1: no limit of its own), never beyond the vocabulary, whose size a
-        top-k cannot exceed (it raised in the step, failing every request in it)."""
-        limit = self.config.max_logprobs
-        return self.vocab_size if limit < 0 else min(limit, self.vocab_size)
+        return self.inputs.max_logprobs
 
     def add_request(
         self,
@@ -105,12 +72,24 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue one prompt (``params.n`` samples of it), whole or not at all: bad input raises
-        ``ValueError`` before the first sample is queued, and a sample the core still refuses
-        (it could not be sent, say) takes the ones queued before it back out."""
-        text, token_ids = self.tokenize_prompt(prompt)
-        self.validate_prompt(token_ids)
-        self.validate_params(params, priority)
+        """Queue one prompt (``params.n`` samples of it): checked and tokenized by the input
+        processor (``ValueError`` before anything is queued), then ``add_processed``."""
+        processed = self.inputs.process(prompt, params, priority)
+        self.add_processed(request_id, processed, output_kind=output_kind, cache_salt=cache_salt, arrival_time=arrival_time)
+
+    def add_processed(
+        self,
+        request_id: str,
+        processed: ProcessedRequest,
+        *,
+        output_kind: OutputKind = OutputKind.FINAL_ONLY,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request the input processor has checked, whole or not at all: a sample the
+        core still refuses (it could not be sent, say) takes the ones queued before it back
+        out."""
+        text, token_ids, params = processed.text, processed.token_ids, processed.params
         arrival_time = time.time() if arrival_time is None else arrival_time
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -125,7 +104,7 @@ class LLMEngine:
             )
             request = Request(
                 child_id, token_ids, child_params, eos_token_ids=self.core.eos_token_ids,
-                arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
+                arrival_time=arrival_time, priority=processed.priority, cache_salt=cache_salt,
                 max_tokens=max_tokens,
             )
             children.append((state, request))
@@ -139,24 +118,6 @@ class LLMEngine:
         except Exception:
             self.abort_request(queued)
             raise
-
-    def validate_params(self, params: SamplingParams, priority: int) -> None:
-        """What ``SamplingParams`` cannot check alone: limits of this engine and its model."""
-        if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
-            raise ValueError(f"priority must be an integer in [{INT64_MIN}, {INT64_MAX}], got {priority!r}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; with skip_tokenizer_init=True use stop_token_ids")
-        vocab_bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if vocab_bad:
-            raise ValueError(f"stop_token_ids {vocab_bad} are outside the vocabulary [0, {self.vocab_size})")
-        for name in ("logprobs", "prompt_logprobs"):
-            wanted = getattr(params, name)
-            if wanted is not None and wanted > self.max_logprobs:
-                raise ValueError(
-                    f"{name} must be at most {self.max_logprobs} (the engine's max_logprobs), got {wanted}"
-                )
-        if params.guided_decoding is not None:
-            validate_guided_decoding(self.config, params.guided_decoding)
 
     def _check_ids_free(self, request_ids: list[str]) -> None:
         # A second request under a live id would take over the first one's outputs.

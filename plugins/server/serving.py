@@ -20,12 +20,12 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from pagelm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagelm.engine.input_processor import ProcessedRequest
 from pagelm.engine.output_processor import OutputKind
 from pagelm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagelm.sampling_params import GuidedDecodingParams, SamplingParams
 from pagelm.plugins.server import DEFAULT_MAX_N
 from pagelm.plugins.server.errors import APIError, param_of
-from pagelm.structured_output import validate_guided_decoding
 from pagelm.plugins.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -53,7 +53,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 _SAMPLING_NAMES = {
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
-    "extra_args",
+    "extra_args", "priority",
 }
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -103,15 +103,7 @@ class OpenAIServing:
             raise APIError(f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
         if req.n > self.max_n:
             raise APIError(f"n must be at most {self.max_n} (the server's --max-n), got {req.n}", param="n")
-        limit = self.engine.engine.max_logprobs
-        if logprobs is not None and logprobs > limit:
-            raise APIError(
-                f"{logprobs_name} must be at most {limit} (the server's --max-logprobs), got {logprobs}",
-                param=logprobs_name,
-            )
-        bad_ids = [t for t in req.stop_token_ids or [] if not 0 <= t < self.engine.engine.vocab_size]
-        if bad_ids:
-            raise APIError(f"stop_token_ids {bad_ids} are outside the vocabulary", param="stop_token_ids")
+        guided, guided_field = self.guided_decoding(req)
         kwargs: dict[str, Any] = dict(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -119,27 +111,36 @@ class OpenAIServing:
             ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            guided_decoding=self.guided_decoding(req), extra_args=req.extra_args,
+            guided_decoding=guided, extra_args=req.extra_args,
         )
         try:
-            return SamplingParams(**kwargs)
+            params = SamplingParams(**kwargs)
+            self.engine.engine.inputs.check_params(params, req.priority)  # this engine's limits
+            return params
         except (ValueError, TypeError) as exc:
             message, param = str(exc), param_of(str(exc), _SAMPLING_NAMES)
+            if message.startswith("guided_decoding") and guided_field is not None:
+                # "guided_decoding.json: invalid JSON schema: ..." -> the field used here
+                name, where = guided_field
+                raise APIError(re.sub(r"^guided_decoding(\.\w+)?", where, message), param=name) from None
             rename = {"max_tokens": max_tokens_name, "logprobs": logprobs_name}
             if param in rename and rename[param] != param:
                 message = message.replace(param, rename[param], 1)
                 param = rename[param]
             raise APIError(message, param=param) from None
 
-    def guided_decoding(self, req: SamplingFields) -> GuidedDecodingParams | None:
+    def guided_decoding(
+        self, req: SamplingFields
+    ) -> tuple[GuidedDecodingParams | None, tuple[str, str] | None]:
         """The request's output constraint (``response_format`` or one ``guided_*`` field),
-        checked here so that a bad schema, regex or grammar is a 400 naming the field."""
+        and (the field, the name to give it in errors): a bad schema, regex or grammar, which
+        the input processor finds, is a 400 naming the field."""
         given = [name for name in _GUIDED_FIELDS if getattr(req, name) is not None]
         fmt = req.response_format
         if fmt is not None and fmt.type != "text":
             given.insert(0, "response_format")
         if not given:
-            return None
+            return None, None
         if len(given) > 1:
             raise APIError(f"give at most one output constraint, got {', '.join(given)}", param=given[1])
         name = given[0]
@@ -157,15 +158,18 @@ class OpenAIServing:
                 raise APIError(
                     f"response_format type must be text, json_object or json_schema, got {fmt.type!r}", param=name
                 )
-            validate_guided_decoding(self.engine.config, params)
-        except ValueError as exc:  # "guided_decoding.json: invalid JSON schema: ..." -> the field used here
-            message = re.sub(r"^guided_decoding(\.\w+)?", where, str(exc))
-            raise APIError(message, param=name) from None
-        return params
+        except ValueError as exc:
+            raise APIError(re.sub(r"^guided_decoding(\.\w+)?", where, str(exc)), param=name) from None
+        return params, (name, where)
 
-    def check_prompt(self, token_ids: list[int], max_tokens: int | None, prompt_name: str, max_tokens_name: str) -> None:
+    def check_prompt(
+        self, prompt: dict[str, Any], params: SamplingParams, priority: int, prompt_name: str, max_tokens_name: str
+    ) -> ProcessedRequest:
+        """The prompt checked by the input processor (``params`` are checked already), and
+        within the context with its ``max_tokens``: what the engine queues as it is."""
+        token_ids, max_tokens = prompt["prompt_token_ids"], params.max_tokens
         try:
-            self.engine.engine.validate_prompt(token_ids)
+            self.engine.engine.inputs.check_prompt(token_ids)
         except ValueError as exc:
             raise APIError(str(exc), param=prompt_name) from None
         limit = self.engine.max_model_len
@@ -176,6 +180,7 @@ class OpenAIServing:
                 f"the completion). Reduce the length of the prompt or {max_tokens_name}.",
                 param=max_tokens_name,
             )
+        return ProcessedRequest(prompt["prompt"], token_ids, params, priority)
 
     # ---- completions ----------------------------------------------------------------------
     async def completion(self, req: CompletionRequest) -> CompletionResponse | StreamingResponse:
@@ -195,13 +200,12 @@ class OpenAIServing:
             logprobs_name="logprobs", prompt_logprobs=echo_logprobs,
         )
         prompts = self._completion_prompts(req.prompt)
-        for p in prompts:
-            self.check_prompt(p["prompt_token_ids"], max_tokens, "prompt", "max_tokens")
+        processed = [self.check_prompt(p, params, req.priority, "prompt", "max_tokens") for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(self._completion_stream(request_id, prompts, params, req))
+            return _sse(self._completion_stream(request_id, prompts, processed, params, req))
         finals = await _gather([
-            self._final(p, params, f"{request_id}-{i}", req) for i, p in enumerate(prompts)
+            self._final(p, f"{request_id}-{i}", req) for i, p in enumerate(processed)
         ])
         choices, usage = [], _UsageCounter()
         for i, (prompt, out) in enumerate(zip(prompts, finals)):
@@ -270,13 +274,14 @@ class OpenAIServing:
         return offset + len(token)
 
     async def _completion_stream(
-        self, request_id: str, prompts: list[dict], params: SamplingParams, req: CompletionRequest
+        self, request_id: str, prompts: list[dict], processed: list[ProcessedRequest], params: SamplingParams,
+        req: CompletionRequest,
     ) -> AsyncIterator[str]:
         created, started = int(time.time()), set()
         usage = _UsageCounter()
         generators = [
-            self.engine.generate(p, params, f"{request_id}-{i}", priority=req.priority, cache_salt=req.cache_salt)
-            for i, p in enumerate(prompts)
+            self.engine.generate(p, params, f"{request_id}-{i}", cache_salt=req.cache_salt)
+            for i, p in enumerate(processed)
         ]
         try:
             async for i, out in _merge(generators):
@@ -313,12 +318,11 @@ class OpenAIServing:
         params = self.sampling_params(
             req, max_tokens=max_tokens, max_tokens_name=max_name, logprobs=logprobs, logprobs_name="top_logprobs"
         )
-        prompt = self._chat_prompt(req)
-        self.check_prompt(prompt["prompt_token_ids"], max_tokens, "messages", max_name)
+        prompt = self.check_prompt(self._chat_prompt(req), params, req.priority, "messages", max_name)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(self._chat_stream(request_id, prompt, params, req))
-        out = (await _gather([self._final(prompt, params, request_id, req)]))[0]
+            return _sse(self._chat_stream(request_id, prompt, req))
+        out = (await _gather([self._final(prompt, request_id, req)]))[0]
         usage = _UsageCounter()
         usage.add_prompt(out)
         choices = []
@@ -368,7 +372,7 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
     async def _chat_stream(
-        self, request_id: str, prompt: dict, params: SamplingParams, req: ChatCompletionRequest
+        self, request_id: str, prompt: ProcessedRequest, req: ChatCompletionRequest
     ) -> AsyncIterator[str]:
         created = int(time.time())
         usage = _UsageCounter()
@@ -378,13 +382,12 @@ class OpenAIServing:
                 id=request_id, created=created, model=self.model_name, choices=choices, usage=usage_
             ))
 
+        params = prompt.params
         logprobs = params.logprobs
         try:
             for index in range(params.n):
                 yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
-            async with aclosing(self.engine.generate(
-                prompt, params, request_id, priority=req.priority, cache_salt=req.cache_salt
-            )) as outputs:
+            async with aclosing(self.engine.generate(prompt, params, request_id, cache_salt=req.cache_salt)) as outputs:
                 async for out in outputs:
                     for c in out.outputs:
                         usage.completion += len(c.token_ids)
@@ -402,11 +405,10 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     # ---- running requests -----------------------------------------------------------------
-    async def _final(self, prompt: dict, params: SamplingParams, request_id: str, req: SamplingFields) -> RequestOutput:
+    async def _final(self, prompt: ProcessedRequest, request_id: str, req: SamplingFields) -> RequestOutput:
         final = None
         async for out in self.engine.generate(
-            prompt, params, request_id, priority=req.priority, cache_salt=req.cache_salt,
-            output_kind=OutputKind.FINAL_ONLY,
+            prompt, prompt.params, request_id, cache_salt=req.cache_salt, output_kind=OutputKind.FINAL_ONLY,
         ):
             final = out
         if final is None:

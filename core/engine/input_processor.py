@@ -1,0 +1,102 @@
+"""The one place a request is checked and tokenized, for every way in: ``LLM``,
+``AsyncLLM`` and the OpenAI server all hand their prompts here (through ``LLMEngine``).
+
+What ``SamplingParams`` checks alone (types, ranges) it checks when it is built; what needs
+this engine (its vocabulary, ``max_model_len``, ``max_logprobs``, the tokenizer, the
+structured-output backend) is checked here, before anything is queued. The result, a
+``ProcessedRequest``, is what ``LLMEngine.add_processed`` queues without checking again:
+a caller that checks a batch first (``LLM.generate``: all prompts, then queue them all) or
+maps errors to its own fields (the server) does not pay for the checks twice. The engine core
+checks the few things a bad API process could still get wrong (``EngineCore.add_request``):
+that is the trust boundary between processes, not a second validation of user input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from pagelm.config import EngineConfig
+from pagelm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from pagelm.structured_output import validate_guided_decoding
+
+# vLLM's prompt shapes: a string, or {"prompt_token_ids": [...]} (TokensPrompt), or
+# {"prompt": "..."} (TextPrompt).
+PromptType = Union[str, dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedRequest:
+    """A prompt tokenized and checked with its sampling parameters and priority."""
+
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most ``logprobs`` / ``prompt_logprobs`` a request may ask for: the config's
+        ``max_logprobs`` (-1: no limit of its own), never beyond the vocabulary, whose size a
+        top-k cannot exceed (it raised in the step, failing every request in it)."""
+        limit = self.config.max_logprobs
+        return self.vocab_size if limit < 0 else min(limit, self.vocab_size)
+
+    def process(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> ProcessedRequest:
+        """Tokenize ``prompt`` and check it with ``params``; ``ValueError`` names the problem."""
+        text, token_ids = self.tokenize(prompt)
+        self.check_prompt(token_ids)
+        self.check_params(params, priority)
+        return ProcessedRequest(text, token_ids, params, priority)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt" in prompt):
+            text = prompt if isinstance(prompt, str) else prompt["prompt"]
+            if self.tokenizer is None:
+                raise ValueError("skip_tokenizer_init=True: prompts must be {'prompt_token_ids': [...]}, not text")
+            return text, self.tokenizer.encode(text)
+        raise ValueError(
+            "prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
+            f"got {type(prompt).__name__}"
+        )
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt must contain at least one token")
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids contains {bad!r}, outside the vocabulary [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; with max_model_len={self.max_model_len} it must "
+                f"have at most {self.max_model_len - 1} so one token can be generated"
+            )
+
+    def check_params(self, params: SamplingParams, priority: int = 0) -> None:
+        """What ``SamplingParams`` cannot check alone: limits of this engine and its model.
+        Each message starts with the parameter's name."""
+        if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must be an integer in [{INT64_MIN}, {INT64_MAX}], got {priority!r}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; with skip_tokenizer_init=True use stop_token_ids")
+        vocab_bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if vocab_bad:
+            raise ValueError(f"stop_token_ids {vocab_bad} are outside the vocabulary [0, {self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            wanted = getattr(params, name)
+            if wanted is not None and wanted > self.max_logprobs:
+                raise ValueError(
+                    f"{name} must be at most {self.max_logprobs} (the engine's max_logprobs), got {wanted}"
+                )
+        if params.guided_decoding is not None:
+            validate_guided_decoding(self.config, params.guided_decoding)
