@@ -403,20 +403,7 @@ class Scheduler:
             if not new_ids and prompt_lps is None:
                 continue
             logprobs = runner_out.logprobs[i] if new_ids and runner_out.logprobs else None
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=req_id,
-                    new_token_ids=new_ids,
-                    new_logprobs=logprobs if logprobs is None else logprobs.head(len(new_ids)),
-                    new_prompt_logprobs=prompt_lps,
-                    finish_reason=req.status.finish_reason,
-                    stop_reason=req.stop_reason,
-                    num_cached_tokens=max(req.num_cached_tokens, 0),
-                    error=req.error,
-                    num_draft_tokens=len(drafts),
-                    num_accepted_tokens=num_accepted,
-                )
-            )
+            outputs.append(_core_output(req, new_ids, logprobs, prompt_lps, len(drafts), num_accepted))
             if req.is_finished:
                 if was_running:
                     self.running.remove(req)
@@ -529,3 +516,21 @@ class _StepState:
             self.partial_ids.discard(req.request_id)
             self.num_partial -= 1
         out.scheduled_new_reqs = [r for r in out.scheduled_new_reqs if r.req_id != req.request_id]
+
+
+def _core_output(
+    req: Request, new_ids: list[int], logprobs, prompt_lps, num_drafts: int, num_accepted: int
+) -> EngineCoreOutput:
+    """What one step gave ``req``, for the API side."""
+    return EngineCoreOutput(
+        request_id=req.request_id,
+        new_token_ids=new_ids,
+        new_logprobs=logprobs if logprobs is None else logprobs.head(len(new_ids)),
+        new_prompt_logprobs=prompt_lps,
+        finish_reason=req.status.finish_reason,
+        stop_reason=req.stop_reason,
+        num_cached_tokens=max(req.num_cached_tokens, 0),
+        error=req.error,
+        num_draft_tokens=num_drafts,
+        num_accepted_tokens=num_accepted,
+    )

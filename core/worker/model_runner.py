@@ -392,10 +392,9 @@ class ModelRunner:
     def prepare_inputs(self, states, starts, counts, allow_graph: bool = True, drafts=None) -> StepInputs:
         """Write the flattened batch into the persistent buffers (see ``InputBuffers``).
         ``drafts[i]``: draft tokens that follow request ``i``'s known tokens (speculative)."""
-        b, bs = self.buffers, self.block_size
         num_reqs = len(states)
         num_tokens = sum(counts)
-        assert num_tokens <= b.max_num_tokens, "step larger than max_num_batched_tokens"
+        assert num_tokens <= self.buffers.max_num_tokens, "step larger than max_num_batched_tokens"
         uniform_decode = num_tokens == num_reqs
         counts_np = np.asarray(counts, dtype=np.int64)
         starts_np = np.asarray(starts, dtype=np.int64)
@@ -406,15 +405,22 @@ class ModelRunner:
             if step is not None:  # None: the backend wants this batch eager (e.g. cascade)
                 return step
 
+        rows = self._write_tokens(states, starts, counts, starts_np, counts_np, uniform_decode, drafts)
+        return self._upload_inputs(rows, starts_np, counts_np, uniform_decode)
+
+    def _write_tokens(self, states, starts, counts, starts_np, counts_np, uniform_decode: bool, drafts) -> np.ndarray:
+        """The host side of ``prepare_inputs``: query starts, sequence lengths, token ids,
+        positions and slots of the flattened batch, in the buffers' host arrays. Returns the
+        requests' block-table rows."""
+        b, bs = self.buffers, self.block_size
+        num_reqs, num_tokens = len(states), int(counts_np.sum())
         qsl = b.query_start_loc.np
         if uniform_decode:
             qsl[: num_reqs + 1] = self._arange[: num_reqs + 1]
         else:
             qsl[0] = 0
             qsl[1 : num_reqs + 1] = np.cumsum(counts_np)
-        seq_lens = starts_np + counts_np
-        b.seq_lens.np[:num_reqs] = seq_lens
-        max_seq_len = max(starts) + 1 if uniform_decode else int(seq_lens.max())
+        b.seq_lens.np[:num_reqs] = starts_np + counts_np
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
         if uniform_decode:
             positions = starts_np
@@ -436,10 +442,16 @@ class ModelRunner:
         b.slot_mapping.np[:num_tokens] = (
             self.block_table_cpu[block_rows, positions // bs].astype(np.int64) * bs + positions % bs
         )
-        max_cols = cdiv(max_seq_len, bs)
-        table_rows = self.block_table_cpu[rows, :max_cols]
-        block_table = b.upload_block_table(table_rows)
+        return rows
 
+    def _upload_inputs(self, rows: np.ndarray, starts_np, counts_np, uniform_decode: bool) -> StepInputs:
+        """The device side of ``prepare_inputs``: the written arrays and the block-table rows
+        uploaded, and the attention metadata every backend builds from."""
+        b, bs = self.buffers, self.block_size
+        num_reqs, num_tokens = len(rows), int(counts_np.sum())
+        max_seq_len = int(starts_np.max()) + 1 if uniform_decode else int(b.seq_lens.np[:num_reqs].max())
+        table_rows = self.block_table_cpu[rows, : cdiv(max_seq_len, bs)]
+        block_table = b.upload_block_table(table_rows)
         input_ids = b.input_ids.upload(num_tokens)
         positions_dev = b.positions.upload(num_tokens)
         slot_mapping = b.slot_mapping.upload(num_tokens)

@@ -219,10 +219,8 @@ class SpecDecodeRunner:
         ``ahead``: the next step is already launched (async scheduling), so drafts would come
         too late; the engine launched it only because nobody may draft (``may_draft``)."""
         n = len(states)
-        counts_np = np.asarray(counts, dtype=np.int64)
-        starts_np = np.asarray(starts, dtype=np.int64)
-        if num_drafts is None:
-            num_drafts = np.zeros(n, dtype=np.int64)
+        counts_np, starts_np = np.asarray(counts, dtype=np.int64), np.asarray(starts, dtype=np.int64)
+        num_drafts = np.zeros(n, dtype=np.int64) if num_drafts is None else num_drafts
         num_out = np.fromiter((len(o) for o in out_ids), dtype=np.int64, count=n)
         sampled = num_out > 0
         # Known tokens after this step (a step launched since then has left a placeholder
@@ -230,16 +228,9 @@ class SpecDecodeRunner:
         num_tokens = starts_np + counts_np - num_drafts + num_out
         max_drafts = np.where(sampled, self._room(states, num_tokens), 0)
         rows = self._claim_rows(states)
-        if self.backoff is not None:
-            dropped = (self._proposed[rows] > 0) & (num_drafts == 0) & sampled
-            if dropped.any():
-                self.backoff.observe_empty(rows[dropped])
-            max_drafts = self.backoff.cap(rows, max_drafts)
-        self._proposed[rows] = 0
-        if ahead:
-            assert not self.proposer.needs_every_step, f"proposer {self.proposer.name!r} ran behind a launched step"
-            return [[] for _ in range(n)]
-        if not self.proposer.needs_every_step and not max_drafts.any():
+        max_drafts = self._backed_off(rows, max_drafts, num_drafts, sampled)
+        assert not (ahead and self.proposer.needs_every_step), f"proposer {self.proposer.name!r} ran behind a launched step"
+        if ahead or (not self.proposer.needs_every_step and not max_drafts.any()):
             return [[] for _ in range(n)]
 
         first = first_token_index(step, counts_np)
@@ -249,16 +240,7 @@ class SpecDecodeRunner:
             dtype=np.int64, count=n,
         )
 
-        input_ids, positions, common = step.input_ids, step.positions, step.common
-        if not self.proposer.uses_target_pass:  # n-gram: the history is all it reads
-            input_ids = positions = common = hidden = None
-        elif input_ids is None:  # a CUDA graph replay: its inputs live in the graph's staging
-            positions_np = starts_np
-            input_ids = torch.tensor([s.token_ids[c] for s, c in zip(states, starts)]).to(runner.device)
-            positions = torch.from_numpy(positions_np).to(runner.device)
-            common = decode_attention_metadata(
-                runner.block_table_cpu, rows, positions_np, runner.block_size, runner.device
-            )
+        input_ids, positions, common, hidden = self._target_pass(runner, step, hidden, states, starts_np, rows)
         batch = ProposalBatch(
             req_ids=[s.req_id for s in states],
             max_num_drafts=max_drafts,
@@ -288,6 +270,30 @@ class SpecDecodeRunner:
             if empty.any():
                 self.backoff.observe_empty(rows[empty])
         return drafts
+
+    def _backed_off(self, rows: np.ndarray, max_drafts: np.ndarray, num_drafts: np.ndarray, sampled) -> np.ndarray:
+        """``max_drafts`` capped by adaptive drafting, which first counts as misses the drafts
+        proposed last time that the scheduler dropped (no room)."""
+        if self.backoff is not None:
+            dropped = (self._proposed[rows] > 0) & (num_drafts == 0) & sampled
+            if dropped.any():
+                self.backoff.observe_empty(rows[dropped])
+            max_drafts = self.backoff.cap(rows, max_drafts)
+        self._proposed[rows] = 0
+        return max_drafts
+
+    def _target_pass(self, runner, step, hidden, states, starts_np: np.ndarray, rows: np.ndarray):
+        """(input_ids, positions, attention metadata, hidden states) of the target's pass, for
+        a proposer that reads it; all None for one that reads only the history (n-gram)."""
+        if not self.proposer.uses_target_pass:
+            return None, None, None, None
+        if step.input_ids is not None:
+            return step.input_ids, step.positions, step.common, hidden
+        # A CUDA graph replay: its inputs live in the graph's staging.
+        input_ids = torch.tensor([s.token_ids[c] for s, c in zip(states, starts_np.tolist())]).to(runner.device)
+        positions = torch.from_numpy(starts_np).to(runner.device)
+        common = decode_attention_metadata(runner.block_table_cpu, rows, starts_np, runner.block_size, runner.device)
+        return input_ids, positions, common, hidden
 
     def _checked(self, drafts, n: int, max_drafts: np.ndarray, vocab_size: int) -> list[list[int]]:
         """The proposal cut to each request's room, or a ``PluginError`` naming the proposer:
