@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MODEL = "tiny-llama"
 
 
@@ -75,7 +76,7 @@ def client(server):
 
 def metrics(server) -> dict[str, float]:
     """Samples by name (+ labels other than model_name)."""
-    text = httpx.get(f"{server}/metrics").text
+    text = httpx.get(f"{server}/metrics", headers=AUTH).text
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -241,6 +242,11 @@ def test_priority_and_cache_salt_are_accepted(client):
         (dict(temperature="hot"), "temperature"),
         (dict(extra_body={"stop_token_ids": [2**64]}), "stop_token_ids"),
         (dict(extra_body={"min_tokens": -1}), "min_tokens"),
+        # Typed strictly, as vLLM: a string is not coerced to a number or a boolean.
+        (dict(max_tokens="16"), "max_tokens"),
+        (dict(logprobs="yes"), "logprobs"),
+        (dict(extra_body={"echo": "true"}), "echo"),
+        (dict(n=2.0), "n"),
     ],
 )
 def test_invalid_parameters_are_400_naming_the_parameter(client, server, kwargs, param):
@@ -319,17 +325,17 @@ def test_tokenize_detokenize_and_version(server, llama_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(llama_dir)
-    r = httpx.post(f"{server}/tokenize", json={"prompt": "def f(x):"}).json()
+    r = httpx.post(f"{server}/tokenize", json={"prompt": "def f(x):"}, headers=AUTH).json()
     assert r["tokens"] == tok.encode("def f(x):") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 512
-    assert httpx.post(f"{server}/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "def f(x):"
-    chat = httpx.post(f"{server}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert httpx.post(f"{server}/detokenize", json={"tokens": r["tokens"]}, headers=AUTH).json()["prompt"] == "def f(x):"
+    chat = httpx.post(f"{server}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, headers=AUTH).json()
     assert chat["tokens"] == tok.encode(
         tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True),
         add_special_tokens=False,
     )
     import pagelm
 
-    assert httpx.get(f"{server}/version").json() == {"version": pagelm.__version__}
+    assert httpx.get(f"{server}/version", headers=AUTH).json() == {"version": pagelm.__version__}
 
 
 def test_metrics_counters_move(client, server):
@@ -434,3 +440,84 @@ def test_bench_serve_against_the_server_and_in_process(server, llama_dir, tmp_pa
     }
     assert all(x["errors"] == 0 and x["output_tokens_per_s"] > 0 for x in rows)
     assert "server / in-process" in r.stdout
+
+
+# ---- hostile input: authentication, size, templates, the event loop -----------------------
+
+
+@pytest.mark.parametrize("method, path", [
+    ("post", "/tokenize"), ("post", "/detokenize"), ("get", "/metrics"), ("get", "/docs"), ("get", "/v1/models"),
+    ("get", "/version"),
+])
+def test_every_route_but_health_needs_the_api_key(server, method, path):
+    r = getattr(httpx, method)(f"{server}{path}", **({"json": {"prompt": "x"}} if method == "post" else {}))
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_a_request_chat_template_is_refused_unless_trusted(server):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}
+    r = httpx.post(f"{server}/v1/chat/completions", json=chat, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def open_server(llama_dir):
+    """No API key, a small body limit, request chat templates trusted."""
+    with running_server(
+        str(llama_dir), "--served-model-name", MODEL, "--num-kv-blocks", "128", "--max-model-len", "512",
+        "--max-request-body-bytes", "4096", "--trust-request-chat-template",
+    ) as url:
+        yield url
+
+
+def test_a_body_over_the_limit_is_a_413_and_the_server_keeps_serving(open_server):
+    big = {"model": MODEL, "prompt": "word " * 2000, "max_tokens": 2}
+    r = httpx.post(f"{open_server}/v1/completions", json=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert "--max-request-body-bytes=4096" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"model": "tiny-llama", "prompt": "'
+        for _ in range(100):
+            yield b"word " * 20
+        yield b'", "max_tokens": 2}'
+
+    r = httpx.post(f"{open_server}/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    ok = httpx.post(f"{open_server}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_trusted_request_chat_template_is_used(open_server):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2,
+            "chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}"}
+    r = httpx.post(f"{open_server}/v1/chat/completions", json=chat)
+    assert r.status_code == 200
+    tokens = httpx.post(f"{open_server}/tokenize", json={"prompt": "[hi there]", "add_special_tokens": False}).json()
+    assert r.json()["usage"]["prompt_tokens"] == tokens["count"]
+
+
+def test_tokenizing_a_long_prompt_does_not_stall_the_event_loop(server):
+    """Tokenizing ran on the event loop: a 5 MB /tokenize held /health for 10.8 s."""
+    import threading
+
+    text = "hello world, this is a test. " * 60000  # 1.7 MB: about a second of tokenizing here
+    done = {}
+
+    def tokenize():
+        t = time.perf_counter()
+        r = httpx.post(f"{server}/tokenize", json={"prompt": text}, headers=AUTH, timeout=120)
+        done["status"], done["seconds"] = r.status_code, time.perf_counter() - t
+
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    time.sleep(0.3)
+    t = time.perf_counter()
+    health = httpx.get(f"{server}/health", timeout=30)
+    health_s = time.perf_counter() - t
+    worker.join()
+    assert health.status_code == 200 and done["status"] == 200
+    assert health_s < max(0.5 * done["seconds"], 0.25), (health_s, done["seconds"])

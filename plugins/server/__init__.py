@@ -5,3 +5,5 @@ OpenAI-format errors."""
 # n = 100000 held the server for minutes (vLLM's CVE-2026-34756 class). Here, not in
 # serving.py, so that the CLI can show it without importing FastAPI.
 DEFAULT_MAX_N = 128
+# Largest request body (``--max-request-body-bytes``): a 413 beyond it, before it is read.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20

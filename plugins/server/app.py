@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import pagelm
 from pagelm.engine.async_llm import AsyncLLM
-from pagelm.plugins.server import DEFAULT_MAX_N
+from pagelm.plugins.server import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagelm.plugins.server.errors import APIError, install_error_handlers
 from pagelm.plugins.server.protocol import (
     ChatCompletionRequest,
@@ -32,14 +32,20 @@ from pagelm.plugins.server.serving import OpenAIServing
 
 def build_app(
     engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None, allow_unknown_fields: bool = False,
-    max_n: int = DEFAULT_MAX_N,
+    max_n: int = DEFAULT_MAX_N, trust_request_chat_template: bool = False,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """The app serving ``engine``. It starts the engine's output loop at start-up and shuts the
     engine down when the server stops. ``allow_unknown_fields``: ignore request fields
     neither pagelm nor the OpenAI API defines, instead of a 400 naming them; ``max_n``: the
-    most samples (``n``) one request may ask for."""
+    most samples (``n``) one request may ask for; ``trust_request_chat_template``: render a
+    ``chat_template`` a request brings (else a 400); ``max_request_body_bytes``: larger
+    bodies are a 413 before they are read."""
     model_name = model_name or engine.model_name
-    serving = OpenAIServing(engine, model_name, allow_unknown_fields=allow_unknown_fields, max_n=max_n)
+    serving = OpenAIServing(
+        engine, model_name, allow_unknown_fields=allow_unknown_fields, max_n=max_n,
+        trust_request_chat_template=trust_request_chat_template,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -52,7 +58,8 @@ def build_app(
     app = FastAPI(title="pagelm", version=pagelm.__version__, lifespan=lifespan)
     app.state.engine = engine
     install_error_handlers(app)
-    if api_key:
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
+    if api_key:  # added last: it runs first, so that no unauthenticated body is read
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.post("/v1/completions")
@@ -89,9 +96,9 @@ def build_app(
             raise APIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
-            ids = serving._chat_prompt(chat)["prompt_token_ids"]
-        else:
-            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = (await asyncio.to_thread(serving._chat_prompt, chat))["prompt_token_ids"]
+        else:  # off the event loop: a 5 MB prompt took seconds
+            ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
 
     @app.post("/detokenize")
@@ -101,7 +108,7 @@ def build_app(
         bad = [t for t in body.tokens if not 0 <= t < engine.engine.vocab_size]
         if bad:
             raise APIError(f"tokens {bad[:8]} are outside the vocabulary", param="tokens")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await asyncio.to_thread(engine.tokenizer.decode, body.tokens))
 
     return app
 
@@ -131,14 +138,18 @@ async def _unless_disconnected(raw: Request, work: Awaitable) -> Any:
 
 
 class APIKeyMiddleware:
-    """``Authorization: Bearer <key>`` on every ``/v1`` route (plain ASGI: streams untouched)."""
+    """``Authorization: Bearer <key>`` on every route but ``/health`` (load balancers probe it
+    without credentials): ``/tokenize`` and ``/metrics`` answered anyone, and an
+    unauthenticated 5 MB ``/tokenize`` stalled the server. Plain ASGI: streams untouched."""
+
+    OPEN_PATHS = frozenset({"/health"})
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 body = APIError("invalid API key", 401, code="invalid_api_key").body()
@@ -146,3 +157,45 @@ class APIKeyMiddleware:
                 return
         await self.app(scope, receive, send)
 
+
+class BodyLimitMiddleware:
+    """A request body over ``max_bytes`` is a 413 in the OpenAI error format: refused on its
+    ``Content-Length`` before it is read, or when a chunked body grows past the limit."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        seen, refused = 0, False
+
+        async def limited_receive():
+            # Past the limit: answer 413 here and tell the app the client left (an exception
+            # would reach FastAPI's body parser, which turns it into a 400).
+            nonlocal seen, refused
+            message = await receive()
+            if message["type"] == "http.request" and not refused:
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    refused = True
+                    await self._refuse(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message) -> None:
+            if not refused:  # nothing after the 413
+                await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        message = f"the request body is larger than the server's --max-request-body-bytes={self.max_bytes}"
+        body = APIError(message, 413, code="request_too_large").body()
+        await JSONResponse(body, status_code=413)(scope, receive, send)

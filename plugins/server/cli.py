@@ -13,7 +13,7 @@ import logging
 import os
 
 from pagelm.cli.engine_args import add_engine_args, engine_kwargs
-from pagelm.plugins.server import DEFAULT_MAX_N
+from pagelm.plugins.server import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger("pagelm")
 
@@ -45,6 +45,14 @@ def add_parser(sub) -> None:
         "--max-n", type=_positive_int, default=DEFAULT_MAX_N,
         help=f"most samples (n) one request may ask for (default: {DEFAULT_MAX_N}); "
         "the most logprobs is the engine's --max-logprobs",
+    )
+    server.add_argument(
+        "--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help=f"larger request bodies are a 413 (default: {DEFAULT_MAX_REQUEST_BODY_BYTES})",
+    )
+    server.add_argument(
+        "--trust-request-chat-template", action="store_true",
+        help="render a chat_template sent in a request (default: a 400; a template is code run on the server)",
     )
     server.add_argument("--log-level", default="info", help="log level (default: info)")
     server.add_argument(
@@ -104,7 +112,9 @@ def run(args: argparse.Namespace) -> int:
         log_stats_interval=args.log_stats_interval or None,
     )
     app = build_app(
-        engine, api_key=args.api_key, allow_unknown_fields=args.allow_unknown_fields, max_n=args.max_n
+        engine, api_key=args.api_key, allow_unknown_fields=args.allow_unknown_fields, max_n=args.max_n,
+        trust_request_chat_template=args.trust_request_chat_template,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,

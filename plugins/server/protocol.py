@@ -24,11 +24,19 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class RequestBody(OpenAIModel):
+class RequestPart(OpenAIModel):
+    """Part of a request: typed strictly, as vLLM does: ``"max_tokens": "16"`` or
+    ``"logprobs": "yes"`` is a 400 naming the field, not coerced (an integer is still a
+    valid float)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class RequestBody(RequestPart):
     """A top-level request: extra fields are kept (``model_extra``) so that the server can
     name them in a 400 (``OpenAIServing.check_fields``) rather than silently drop a typo."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 # Fields the OpenAI API defines that pagelm does not model: accepted and ignored, so that
@@ -41,18 +49,18 @@ OPENAI_CHAT_FIELDS = frozenset({
 })
 
 
-class StreamOptions(OpenAIModel):
+class StreamOptions(RequestPart):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(OpenAIModel):
+class JsonSchemaFormat(RequestPart):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(OpenAIModel):
+class ResponseFormat(RequestPart):
     type: str = "text"  # text, json_object or json_schema
     json_schema: JsonSchemaFormat | None = None
 
@@ -103,7 +111,7 @@ class CompletionRequest(SamplingFields):
     best_of: Count | None = None
 
 
-class ChatMessage(OpenAIModel):
+class ChatMessage(RequestPart):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None

@@ -60,11 +60,13 @@ _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_gramma
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncLLM, model_name: str, *, allow_unknown_fields: bool = False, max_n: int = DEFAULT_MAX_N
+        self, engine: AsyncLLM, model_name: str, *, allow_unknown_fields: bool = False, max_n: int = DEFAULT_MAX_N,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.engine = engine
         self.allow_unknown_fields = allow_unknown_fields
         self.max_n = max_n
+        self.trust_request_chat_template = trust_request_chat_template
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         if self.tokenizer is None:
@@ -187,20 +189,9 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_fields(req, OPENAI_COMPLETION_FIELDS)
         self.check_engine()
-        if req.suffix:
-            raise APIError("suffix is not supported", param="suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError("best_of other than n is not supported", param="best_of")
-        echo_logprobs = req.logprobs if req.echo else None
-        # An explicit null means the default, 16, as in vLLM and OpenAI's completions API (not
-        # "up to the context length", which a client could repeat cheaply).
-        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        params = self.sampling_params(
-            req, max_tokens=max_tokens, max_tokens_name="max_tokens", logprobs=req.logprobs,
-            logprobs_name="logprobs", prompt_logprobs=echo_logprobs,
-        )
-        prompts = self._completion_prompts(req.prompt)
-        processed = [self.check_prompt(p, params, req.priority, "prompt", "max_tokens") for p in prompts]
+        # Off the event loop: tokenizing a long prompt or checking a deep JSON schema took
+        # seconds, during which /health and every stream stalled.
+        params, prompts, processed = await asyncio.to_thread(self._completion_inputs, req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse(self._completion_stream(request_id, prompts, processed, params, req))
@@ -214,6 +205,25 @@ class OpenAIServing:
                 usage.completion += len(c.token_ids)
                 choices.append(self._completion_choice(i * params.n + c.index, prompt, out, c, req, first=True))
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage.usage())
+
+    def _completion_inputs(
+        self, req: CompletionRequest
+    ) -> tuple[SamplingParams, list[dict[str, Any]], list[ProcessedRequest]]:
+        """The request's parameters and prompts, tokenized and checked (on a worker thread)."""
+        if req.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError("best_of other than n is not supported", param="best_of")
+        echo_logprobs = req.logprobs if req.echo else None
+        # An explicit null means the default, 16, as in vLLM and OpenAI's completions API (not
+        # "up to the context length", which a client could repeat cheaply).
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        params = self.sampling_params(
+            req, max_tokens=max_tokens, max_tokens_name="max_tokens", logprobs=req.logprobs,
+            logprobs_name="logprobs", prompt_logprobs=echo_logprobs,
+        )
+        prompts = self._completion_prompts(req.prompt)
+        return params, prompts, [self.check_prompt(p, params, req.priority, "prompt", "max_tokens") for p in prompts]
 
     def _completion_prompts(self, prompt: str | list) -> list[dict[str, Any]]:
         if isinstance(prompt, str):
@@ -307,18 +317,8 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_fields(req, OPENAI_CHAT_FIELDS)
         self.check_engine()
-        if req.tools:
-            raise APIError("tools are not supported", param="tools")
-        max_tokens, max_name = req.max_tokens, "max_tokens"
-        if req.max_completion_tokens is not None:
-            max_tokens, max_name = req.max_completion_tokens, "max_completion_tokens"
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(
-            req, max_tokens=max_tokens, max_tokens_name=max_name, logprobs=logprobs, logprobs_name="top_logprobs"
-        )
-        prompt = self.check_prompt(self._chat_prompt(req), params, req.priority, "messages", max_name)
+        prompt = await asyncio.to_thread(self._chat_inputs, req)  # off the event loop, as above
+        logprobs = prompt.params.logprobs
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse(self._chat_stream(request_id, prompt, req))
@@ -335,7 +335,30 @@ class OpenAIServing:
             ))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage.usage())
 
+    def _chat_inputs(self, req: ChatCompletionRequest) -> ProcessedRequest:
+        """The request's parameters and rendered prompt, tokenized and checked (on a worker
+        thread)."""
+        if req.tools:
+            raise APIError("tools are not supported", param="tools")
+        max_tokens, max_name = req.max_tokens, "max_tokens"
+        if req.max_completion_tokens is not None:
+            max_tokens, max_name = req.max_completion_tokens, "max_completion_tokens"
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(
+            req, max_tokens=max_tokens, max_tokens_name=max_name, logprobs=logprobs, logprobs_name="top_logprobs"
+        )
+        return self.check_prompt(self._chat_prompt(req), params, req.priority, "messages", max_name)
+
     def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            # A template is code run on the server (Jinja): a nested loop in one stalled it.
+            raise APIError(
+                "chat_template in a request is refused: start the server with --trust-request-chat-template "
+                "to allow it",
+                param="chat_template",
+            )
         messages = []
         for i, m in enumerate(req.messages):
             content = m.content
