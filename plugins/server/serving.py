@@ -321,7 +321,16 @@ class OpenAIServing:
         logprobs = prompt.params.logprobs
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(self._chat_stream(request_id, prompt, req))
+            # The first chunk goes out with the first output, as in vLLM: it used to go out
+            # before the request reached the engine, so every client-measured TTFT was ~5 ms
+            # and an error the engine found came as an event after a 200.
+            outputs = self.engine.generate(prompt, prompt.params, request_id, cache_salt=req.cache_salt)
+            try:
+                first = await outputs.__anext__()
+            except BaseException:
+                await outputs.aclose()  # aborts it
+                raise
+            return _sse(self._chat_stream(request_id, prompt, req, outputs, first))
         out = (await _gather([self._final(prompt, request_id, req)]))[0]
         usage = _UsageCounter()
         usage.add_prompt(out)
@@ -395,7 +404,8 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
     async def _chat_stream(
-        self, request_id: str, prompt: ProcessedRequest, req: ChatCompletionRequest
+        self, request_id: str, prompt: ProcessedRequest, req: ChatCompletionRequest,
+        outputs: AsyncIterator[RequestOutput], first: RequestOutput,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         usage = _UsageCounter()
@@ -410,8 +420,8 @@ class OpenAIServing:
         try:
             for index in range(params.n):
                 yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
-            async with aclosing(self.engine.generate(prompt, params, request_id, cache_salt=req.cache_salt)) as outputs:
-                async for out in outputs:
+            async with aclosing(outputs):
+                async for out in _prepend(first, outputs):
                     for c in out.outputs:
                         usage.completion += len(c.token_ids)
                         yield chunk([ChatStreamChoice(
@@ -483,6 +493,12 @@ def _error_event(exc: Exception) -> str:
     else:
         err = APIError(f"internal error: {exc}", 500)
     return f"data: {json.dumps(err.body())}\n\n"
+
+
+async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for item in rest:
+        yield item
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:
