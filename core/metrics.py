@@ -50,6 +50,7 @@ class EngineMetrics:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed) by the scheduler.")
         self.plugin_errors = counter("plugin_errors", "Exceptions raised by plugins' lifecycle hooks (caught and logged).")
+        self.engine_restarts = counter("engine_restarts", "Engine cores started in place of a dead one.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         # Speculative decoding, vLLM's names: mean acceptance length = 1 + accepted / drafts.
@@ -85,6 +86,12 @@ class EngineMetrics:
         # Plain totals for the stats log (prometheus values are not meant to be read back).
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
+
+    def engine_restarted(self, stats: SchedulerStats) -> None:
+        """A fresh engine core: its counters start from zero again."""
+        self.engine_restarts.inc()
+        self._last = stats
+        self.record_step(stats, [], [])
 
     def request_finished(self, reason: str) -> None:
         self._request_success.labels(self._model_name, reason).inc()

@@ -79,3 +79,96 @@ def test_engine_core_add_request_raises_with_nothing_queued(core):
     with pytest.raises(ValueError, match="max_model_len"):
         core.add_request(_request("long", [5] * 200))
     assert not core.scheduler.has_unfinished_requests()
+
+
+# ---- a failing step, a dead engine core ---------------------------------------------------
+
+
+from pagelm.engine.output_processor import OutputKind  # noqa: E402
+
+
+def _run(loop, coro):
+    return loop.run_until_complete(coro)
+
+
+async def _generate(engine, prompt, request_id, max_tokens=8):
+    out = None
+    async for out in engine.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id,
+        output_kind=OutputKind.FINAL_ONLY,
+    ):
+        pass
+    return out
+
+
+def test_a_step_that_raises_fails_the_requests_in_it_and_the_engine_serves_on(llama_dir):
+    """A step exception stopped the core loop for good: every later request got a 500."""
+    import asyncio
+
+    from pagelm.engine.async_llm import AsyncLLM
+
+    loop = asyncio.new_event_loop()
+    engine = AsyncLLM.from_model(str(llama_dir), engine_process=False, num_kv_blocks=64, max_model_len=256)
+    core = engine.core.core
+    launch = core.runner.launch
+    injected = []
+
+    def failing_launch(sched, **kwargs):  # fault injection: the step with "boom" in it raises
+        if "boom" in sched.num_scheduled_tokens and not injected:
+            injected.append(1)
+            raise RuntimeError("injected fault")
+        return launch(sched, **kwargs)
+
+    core.runner.launch = failing_launch
+    try:
+        from pagelm.engine.core_output import EngineStepError
+
+        with pytest.raises(EngineStepError, match="the engine step failed: RuntimeError: injected fault"):
+            _run(loop, _generate(engine, [5, 6, 7], "boom"))
+        assert engine.is_running
+        out = _run(loop, _generate(engine, [5, 6, 7], "after"))  # served as if nothing happened
+        assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
+        assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks
+    finally:
+        engine.shutdown()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+
+
+def test_a_killed_engine_core_process_is_replaced_and_serving_resumes(llama_dir):
+    """After the core process died the API side answered 500/503 forever, with a zombie."""
+    import asyncio
+    import os
+    import signal
+    import time
+
+    from pagelm.engine.async_llm import AsyncLLM
+    from pagelm.engine.core_client import EngineDeadError
+
+    loop = asyncio.new_event_loop()
+    engine = AsyncLLM.from_model(str(llama_dir), num_kv_blocks=64, max_model_len=256)
+    try:
+        before = _run(loop, _generate(engine, [5, 6, 7], "before"))
+        dead = engine.core.proc
+
+        async def kill_mid_request():
+            task = asyncio.ensure_future(_generate(engine, [5, 6, 7], "in-flight", max_tokens=200))
+            await asyncio.sleep(0.2)
+            os.kill(dead.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                await task
+            deadline = time.time() + 120
+            while not engine.is_running:
+                assert time.time() < deadline, "the engine core was not restarted"
+                await asyncio.sleep(0.1)
+
+        _run(loop, kill_mid_request())
+        assert dead.poll() == -signal.SIGKILL  # reaped, not a zombie
+        assert engine.core.proc.pid != dead.pid and engine.num_engine_restarts == 1
+        after = _run(loop, _generate(engine, [5, 6, 7], "after"))
+        assert after.outputs[0].token_ids == before.outputs[0].token_ids  # greedy, same engine
+        assert engine.metrics.engine_restarts._value.get() == 1
+    finally:
+        engine.shutdown()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()

@@ -117,7 +117,13 @@ def test_error_in_the_middle_of_a_stream_ends_with_an_error_chunk_and_done(app_e
 
 
 def test_health_is_503_once_the_engine_core_died(app_engine):
+    """A step that raises fails the requests in the engine (a 500: the server's fault, not
+    the input's) and the engine serves on; steps that keep raising (a lost device) stop the
+    engine core: then /health is 503 (here with no restart allowed)."""
+    from pagelm.engine.core_loop import MAX_CONSECUTIVE_STEP_FAILURES
+
     app, engine = app_engine
+    engine.max_engine_restarts = 0
 
     def crash():
         raise RuntimeError("device lost")
@@ -125,10 +131,15 @@ def test_health_is_503_once_the_engine_core_died(app_engine):
     async def go():
         assert (await _asgi(app, engine, "GET", "/health")).status_code == 200
         engine.core.core.step = crash
-        r = await _asgi(app, engine, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2})
-        health = await _asgi(app, engine, "GET", "/health")
-        return r, health
+        failures = []
+        for _ in range(MAX_CONSECUTIVE_STEP_FAILURES):
+            failures.append(await _asgi(app, engine, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2}))
+            if len(failures) < MAX_CONSECUTIVE_STEP_FAILURES:  # still serving between them
+                assert (await _asgi(app, engine, "GET", "/health")).status_code == 200
+        await asyncio.sleep(0.2)
+        return failures, await _asgi(app, engine, "GET", "/health")
 
-    r, health = asyncio.run(go())
-    assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
+    failures, health = asyncio.run(go())
+    for r in failures:
+        assert r.status_code == 500 and "device lost" in r.json()["error"]["message"], r.json()
     assert health.status_code == 503 and health.json()["error"]["type"] == "service_unavailable"

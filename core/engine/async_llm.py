@@ -21,6 +21,7 @@ from typing import Any
 from pagelm.config import EngineConfig
 from pagelm.engine.core_client import EngineDeadError, InprocCoreClient, MPCoreClient
 from pagelm.engine.core_loop import SchedulerStats
+from pagelm.engine.core_output import ENGINE_FAULT, EngineStepError
 from pagelm.engine.input_processor import ProcessedRequest, PromptType
 from pagelm.engine.llm_engine import LLMEngine
 from pagelm.engine.output_processor import OutputKind
@@ -98,6 +99,7 @@ class AsyncLLM:
         engine_process: bool = True,
         model_name: str | None = None,
         log_stats_interval: float | None = 10.0,
+        max_engine_restarts: int = 3,
     ) -> None:
         self.config = config
         self.engine = LLMEngine(config, core_factory=MPCoreClient if engine_process else InprocCoreClient)
@@ -110,6 +112,9 @@ class AsyncLLM:
         self.metrics.record_step(self.stats, [], [])
         self.log_stats_interval = log_stats_interval
         self.dead_error: EngineDeadError | None = None
+        # A dead engine core is replaced (its requests fail) up to this many times.
+        self.max_engine_restarts = max_engine_restarts
+        self.num_engine_restarts = 0
         self._streams: dict[str, _Stream] = {}
         self._started: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
@@ -183,8 +188,8 @@ class AsyncLLM:
                 except _Aborted:
                     return
                 finished = out.finished
-                if out.error is not None:  # e.g. its grammar did not compile: bad input
-                    raise ValueError(out.error)
+                if out.error is not None:  # its grammar did not compile (bad input), or a step failed
+                    raise EngineStepError(out.error) if out.error.startswith(ENGINE_FAULT) else ValueError(out.error)
                 yield out
         finally:
             if self._streams.get(request_id) is stream:
@@ -227,9 +232,32 @@ class AsyncLLM:
             raise
         except EngineDeadError as exc:
             self._fail(exc)
+            if self.num_engine_restarts < self.max_engine_restarts:
+                self._tasks.append(asyncio.create_task(self._restart(), name="pagelm-engine-restart"))
         except Exception as exc:
             logger.exception("the output loop failed")
             self._fail(EngineDeadError(f"the output loop failed: {exc}"))
+
+    async def _restart(self) -> None:
+        """Start a fresh engine core in place of the dead one: the API process stayed up
+        answering 500/503 forever, with a zombie core and frozen metrics. Until it is up,
+        ``/health`` says 503 and requests fail fast with ``EngineDeadError``."""
+        self.num_engine_restarts += 1
+        logger.warning("restarting the engine core (%d of at most %d)", self.num_engine_restarts, self.max_engine_restarts)
+        self.dead_error = EngineDeadError(f"the engine core is restarting after: {self.dead_error}")
+        try:
+            await asyncio.to_thread(self.engine.restart_core)  # loads the model: seconds
+            self.core = self.engine.core
+            await self.core.start()
+        except Exception as exc:
+            logger.exception("the engine core could not be restarted")
+            self.dead_error = EngineDeadError(f"the engine core could not be restarted: {exc}")
+            return
+        self.stats = SchedulerStats(num_free_blocks=self.core.num_kv_blocks, num_kv_blocks=self.core.num_kv_blocks)
+        self.metrics.engine_restarted(self.stats)
+        self.dead_error = None
+        self._tasks.append(asyncio.create_task(self._output_loop(), name="pagelm-output-loop"))
+        logger.warning("the engine core is back")
 
     def _fail(self, error: EngineDeadError) -> None:
         logger.error("engine is dead: %s", error)

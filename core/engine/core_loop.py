@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagelm.engine.core_output import EngineCoreOutput
+from pagelm.engine.core_output import ENGINE_FAULT, EngineCoreOutput
 from pagelm.engine.engine_core import EngineCore
 from pagelm.request import Request
 from pagelm.sampling_params import SamplingParams
@@ -29,6 +29,9 @@ from pagelm.worker.output import LogprobsLists
 ADD, ABORT, STOP, SHUTDOWN, REJECT = "add", "abort", "stop", "shutdown", "reject"
 
 logger = logging.getLogger("pagelm")
+
+# Steps in a row that may raise before the loop gives up (see run_core_loop).
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 @dataclass
@@ -81,6 +84,7 @@ def run_core_loop(
 ) -> None:
     """Serve commands until SHUTDOWN. ``inbox(block)`` returns the commands that have arrived
     (waiting for at least one when ``block``)."""
+    failures = 0
     while True:
         commands = inbox(not core.has_unfinished_requests())
         rejected: list[EngineCoreOutput] = []
@@ -101,7 +105,19 @@ def run_core_loop(
                 raise ValueError(f"unknown engine core command {kind!r}")
         # Also runs after an abort left nothing to do: the runner drops the request's state
         # and the published stats show its blocks free again.
-        publish(rejected + core.step(), SchedulerStats.of(core))
+        try:
+            outputs = core.step()
+            failures = 0
+        except Exception as exc:
+            # One bad step fails the requests in the engine, not the engine: the next ones
+            # are served. Several in a row mean the engine itself is broken (a dead device):
+            # then the loop stops and its host reports the engine dead (and may restart it).
+            failures += 1
+            if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            logger.exception("an engine step failed; failing the %d requests in the engine", len(core.scheduler.requests))
+            outputs = core.fail_all(f"{ENGINE_FAULT}: {type(exc).__name__}: {exc}")
+        publish(rejected + outputs, SchedulerStats.of(core))
 
 
 def _try_add(core: EngineCore, request: Request) -> EngineCoreOutput | None:

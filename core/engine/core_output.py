@@ -7,6 +7,15 @@ from dataclasses import dataclass
 from pagelm.worker.output import LogprobsLists
 
 
+# How a request's error starts when the engine failed it, not its input (a step raised):
+# the API side reports it as a server error (500), not as bad input (400).
+ENGINE_FAULT = "the engine step failed"
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed a request because a step raised (``ENGINE_FAULT``); it serves on."""
+
+
 @dataclass
 class EngineCoreOutput:
     request_id: str

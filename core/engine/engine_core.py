@@ -235,6 +235,20 @@ class EngineCore:
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED):
             self.plugins.notify("pagelm_request_finished", request=req, reason="stop")
 
+    def fail_all(self, error: str) -> list[EngineCoreOutput]:
+        """End every request with ``error`` after a step raised: nobody knows which request
+        (if any) caused it or what the step left half done, so each one gets an error output
+        rather than a hang, every block goes back to the pool, and the prefix cache, which
+        may name blocks whose KV was never written, is emptied. The loop serves on."""
+        self._in_flight = None
+        self.runner.drop_in_flight()
+        failed = self.scheduler.fail_all()
+        self.kv_cache_manager.pool.reset_prefix_cache()
+        self._first_scheduled.clear()
+        for req in failed:
+            self.plugins.notify("pagelm_request_finished", request=req, reason="error")
+        return [EngineCoreOutput(r.request_id, [], finish_reason="error", error=error) for r in failed]
+
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or a step in flight whose outputs ``step()`` has yet to return."""
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None

@@ -51,6 +51,7 @@ class LLMEngine:
             None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         )
         eos = load_eos_token_ids(model_dir, self.tokenizer) if model_dir.is_dir() else frozenset()
+        self.core_factory, self.eos_token_ids = core_factory, eos
         self.core = core_factory(config, eos)
         self.max_model_len = self.core.max_model_len
         self.vocab_size = self.core.vocab_size
@@ -141,6 +142,13 @@ class LLMEngine:
         if stopped:
             self.core.finish_by_stop_string(stopped)
         return results
+
+    def restart_core(self) -> None:
+        """Replace a dead engine core with a fresh one (its requests are gone with it: the
+        caller has failed them). Blocks while the new core loads the model."""
+        self.core.shutdown()  # reaps the dead process
+        self.output_processor = OutputProcessor()
+        self.core = self.core_factory(self.config, self.eos_token_ids)
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -135,6 +135,14 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_blocks.setdefault(block_hash, block)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (after a failed step, whose KV writes may not have
+        happened). Only when no request holds a block: a held block's hash is its owner's."""
+        assert self.num_free_blocks == self.num_blocks, "reset_prefix_cache with blocks in use"
+        for block in self.cached_blocks.values():
+            block.block_hash = None
+        self.cached_blocks.clear()
+
     def uncache_blocks(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
         """Take blocks out of the prefix cache before their KV exists (their writer gave way
         in the step that registered them). Returns those that were the cache's entry for

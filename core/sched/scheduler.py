@@ -101,6 +101,18 @@ class Scheduler:
             done.append(req)
         return done
 
+    def fail_all(self) -> list[Request]:
+        """End every request with ``FINISHED_ERROR`` and free its blocks, whatever state a
+        failed step left the queues in (``EngineCore.fail_all``)."""
+        failed = list(self.requests.values())
+        self.running.clear()
+        self.waiting = self.policy.make_queue()
+        self._unupdated_steps.clear()
+        for req in failed:
+            req.status = RequestStatus.FINISHED_ERROR
+            self._free(req)
+        return failed
+
     def _free(self, request: Request) -> None:
         # With async scheduling a step in flight may still compute this request (its token is
         # discarded). Its blocks are free to reuse at once all the same: the device runs steps

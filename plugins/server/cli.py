@@ -54,6 +54,10 @@ def add_parser(sub) -> None:
         "--trust-request-chat-template", action="store_true",
         help="render a chat_template sent in a request (default: a 400; a template is code run on the server)",
     )
+    server.add_argument(
+        "--max-engine-restarts", type=int, default=3,
+        help="start a new engine core this many times when it dies (its requests fail; default: 3)",
+    )
     server.add_argument("--log-level", default="info", help="log level (default: info)")
     server.add_argument(
         "--access-log", action=argparse.BooleanOptionalAction, default=True, help="log every HTTP request (default: on)"
@@ -110,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         engine_process=args.engine_process,
         model_name=args.served_model_name or default_name,
         log_stats_interval=args.log_stats_interval or None,
+        max_engine_restarts=args.max_engine_restarts,
     )
     app = build_app(
         engine, api_key=args.api_key, allow_unknown_fields=args.allow_unknown_fields, max_n=args.max_n,

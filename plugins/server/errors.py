@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from pagelm.engine.core_client import EngineDeadError
+from pagelm.engine.core_output import EngineStepError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error", 503: "service_unavailable"}
 
@@ -61,6 +62,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _value_error(request: Request, exc: ValueError) -> JSONResponse:
         # Input the engine rejected (its messages start with the parameter's name).
         return APIError(str(exc), 400, param=param_of(str(exc), _ENGINE_PARAMS)).response()
+
+    @app.exception_handler(EngineStepError)
+    async def _engine_step(request: Request, exc: EngineStepError) -> JSONResponse:
+        # A step raised and took the requests in it down; the engine serves on.
+        return APIError(str(exc), 500).response()
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
