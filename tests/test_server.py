@@ -548,3 +548,52 @@ def test_a_streamed_chat_sends_its_first_chunk_with_the_first_token(client, serv
     name = "pagelm:time_to_first_token_seconds_sum"
     server_ttft = after[name] - before[name]
     assert server_ttft > 0.05 and first_chunk_s >= server_ttft, (first_chunk_s, server_ttft)
+
+
+def test_sigterm_drains_running_streams_then_ends_them_with_an_error_and_done(llama_dir):
+    """SIGTERM waited a hard-coded 5 s, then cut streams with no error event or [DONE]."""
+    import signal
+    import threading
+
+    port = free_port()
+    proc = subprocess.Popen(
+        pagelm_cmd("serve", str(llama_dir), "--port", str(port), "--no-access-log", "--served-model-name", MODEL,
+                   "--max-model-len", "512", "--num-kv-blocks", "2500", "--shutdown-timeout", "1"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline
+            time.sleep(0.2)
+        events = {}
+
+        def stream(name, max_tokens):  # 64 samples: seconds of work for the tiny model
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                    "n": 64}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                events[name] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+        long = threading.Thread(target=stream, args=("long", 480))
+        long.start()
+        time.sleep(1.0)  # it is streaming
+        proc.send_signal(signal.SIGTERM)
+        long.join(30)
+        # uvicorn re-raises the signal once it has shut down, so the exit is by SIGTERM.
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        tail = events["long"]
+        assert tail[-1] == "data: [DONE]"
+        error = json.loads(tail[-2].removeprefix("data: "))["error"]
+        assert "shut down" in error["message"] and error["type"] == "service_unavailable"
+        assert len(tail) > 10  # it streamed tokens first
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagelm.config import EngineConfig
-from pagelm.engine.core_client import EngineDeadError, InprocCoreClient, MPCoreClient
+from pagelm.engine.core_client import EngineDeadError, EngineShuttingDown, InprocCoreClient, MPCoreClient
 from pagelm.engine.core_loop import SchedulerStats
 from pagelm.engine.core_output import ENGINE_FAULT, EngineStepError
 from pagelm.engine.input_processor import ProcessedRequest, PromptType
@@ -115,6 +115,8 @@ class AsyncLLM:
         # A dead engine core is replaced (its requests fail) up to this many times.
         self.max_engine_restarts = max_engine_restarts
         self.num_engine_restarts = 0
+        # Shutting down: running requests go on, new ones are refused (begin_drain).
+        self.draining = False
         self._streams: dict[str, _Stream] = {}
         self._started: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
@@ -174,6 +176,8 @@ class AsyncLLM:
         await self._ensure_started()
         if self.dead_error is not None:
             raise self.dead_error
+        if self.draining:
+            raise EngineShuttingDown("the server is shutting down and takes no new requests")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(prompt, ProcessedRequest):  # checked here, once
@@ -258,6 +262,20 @@ class AsyncLLM:
         self.dead_error = None
         self._tasks.append(asyncio.create_task(self._output_loop(), name="pagelm-output-loop"))
         logger.warning("the engine core is back")
+
+    def begin_drain(self) -> None:
+        """Refuse new requests; those running go on until they finish or ``end_streams``."""
+        self.draining = True
+
+    def end_streams(self, error: EngineDeadError) -> None:
+        """End every running request with ``error`` (the drain time is up): each stream
+        gets it as its last item, so that servers can close it properly."""
+        if self._streams:
+            logger.warning("ending %d running requests: %s", len(self._streams), error)
+        for request_id, stream in list(self._streams.items()):
+            self._abort(request_id)
+            stream.fail(error)
+        self._streams.clear()
 
     def _fail(self, error: EngineDeadError) -> None:
         logger.error("engine is dead: %s", error)

@@ -49,6 +49,11 @@ class EngineDeadError(RuntimeError):
     """The engine core stopped (crashed or its process died); no request can be served."""
 
 
+class EngineShuttingDown(EngineDeadError):
+    """The server is shutting down: no new request is taken, and those still running when
+    the drain time is up are ended with this error."""
+
+
 @dataclass
 class CoreStep:
     outputs: list[EngineCoreOutput]

@@ -78,6 +78,8 @@ def build_app(
     async def health() -> Response:
         if engine.dead_error is not None:
             return APIError(f"the engine is dead: {engine.dead_error}", 503).response()
+        if engine.draining:  # load balancers stop sending here
+            return APIError("the server is shutting down", 503).response()
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -9,6 +9,7 @@ serves HTTP, tokenizes and detokenizes.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 
@@ -57,6 +58,11 @@ def add_parser(sub) -> None:
     server.add_argument(
         "--max-engine-restarts", type=int, default=3,
         help="start a new engine core this many times when it dies (its requests fail; default: 3)",
+    )
+    server.add_argument(
+        "--shutdown-timeout", type=float, default=30.0,
+        help="on SIGTERM/SIGINT, seconds running requests may take to finish; then each ends with an error "
+        "(a final error event and [DONE] for streams). New requests get a 503 meanwhile (default: 30)",
     )
     server.add_argument("--log-level", default="info", help="log level (default: info)")
     server.add_argument(
@@ -121,10 +127,10 @@ def run(args: argparse.Namespace) -> int:
         trust_request_chat_template=args.trust_request_chat_template,
         max_request_body_bytes=args.max_request_body_bytes,
     )
-    server = uvicorn.Server(uvicorn.Config(
+    server = _draining_server_class()(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,
-        timeout_graceful_shutdown=5,
-    ))
+        timeout_graceful_shutdown=args.shutdown_timeout + 2,
+    ), engine, args.shutdown_timeout)
     print(
         f"pagelm: serving {engine.model_name!r} on http://{args.host}:{args.port}; try:\n"
         f"  curl http://{args.host}:{args.port}/v1/completions -H 'Content-Type: application/json' "
@@ -136,3 +142,29 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, with a drain on SIGTERM/SIGINT: new requests get a 503 at once, running
+        ones have ``drain_s`` to finish, then each ends with an error that the server turns
+        into a final error event and ``[DONE]`` (uvicorn alone cut streams after 5 s with
+        nothing, and answered plain-text 500s)."""
+
+        def __init__(self, config, engine, drain_s: float) -> None:
+            super().__init__(config)
+            self.engine, self.drain_s = engine, drain_s
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                from pagelm.engine.core_client import EngineShuttingDown
+
+                self.engine.begin_drain()
+                loop = asyncio.get_event_loop()
+                error = EngineShuttingDown(f"the server shut down (after {self.drain_s:g} s of draining)")
+                loop.call_later(self.drain_s, self.engine.end_streams, error)
+            super().handle_exit(sig, frame)
+
+    return DrainingServer

@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from pagelm.engine.core_client import EngineDeadError
+from pagelm.engine.core_client import EngineDeadError, EngineShuttingDown
 from pagelm.engine.core_output import EngineStepError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error", 503: "service_unavailable"}
@@ -70,6 +70,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        if isinstance(exc, EngineShuttingDown):
+            return APIError(str(exc), 503).response()
         return APIError(f"the engine is dead: {exc}", 500).response()
 
     @app.exception_handler(Exception)

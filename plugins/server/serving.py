@@ -20,6 +20,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from pagelm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagelm.engine.core_client import EngineShuttingDown
 from pagelm.engine.core_output import EngineStepError
 from pagelm.engine.input_processor import ProcessedRequest
 from pagelm.engine.output_processor import OutputKind
@@ -491,6 +492,8 @@ def _error_event(exc: Exception) -> str:
         err = APIError(str(exc), 400)
     elif isinstance(exc, EngineStepError):
         err = APIError(str(exc), 500)
+    elif isinstance(exc, EngineShuttingDown):
+        err = APIError(str(exc), 503)
     elif isinstance(exc, EngineDeadError):
         err = APIError(f"the engine is dead: {exc}", 500)
     else:
