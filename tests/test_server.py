@@ -597,3 +597,11 @@ def test_sigterm_drains_running_streams_then_ends_them_with_an_error_and_done(ll
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_retrieve_one_model_by_id(client, server):
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    assert info.value.body["code"] == "model_not_found"

@@ -74,6 +74,11 @@ def build_app(
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, root=engine.config.model, max_model_len=engine.max_model_len)])
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        serving.check_model(model_id)  # 404 model_not_found, in the OpenAI format
+        return ModelCard(id=model_name, root=engine.config.model, max_model_len=engine.max_model_len)
+
     @app.get("/health")
     async def health() -> Response:
         if engine.dead_error is not None:
