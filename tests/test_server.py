@@ -29,10 +29,9 @@ def pagelm_cmd(*args: str) -> list[str]:
     return [sys.executable, "-c", "import sys; from pagelm.cli import main; sys.exit(main())", *args]
 
 
-@contextlib.contextmanager
-def running_server(*serve_args: str):
-    """``pagelm serve *serve_args`` on a free port of 127.0.0.1: yields its base URL once
-    /health answers 200, and stops it afterwards."""
+def start_server(*serve_args: str) -> tuple[subprocess.Popen, str]:
+    """``pagelm serve *serve_args`` on a free port of 127.0.0.1: the process and its base URL
+    once /health answers 200."""
     port = free_port()
     proc = subprocess.Popen(
         pagelm_cmd("serve", *serve_args, "--port", str(port), "--no-access-log"),
@@ -44,11 +43,17 @@ def running_server(*serve_args: str):
         assert proc.poll() is None, proc.stdout.read()
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
+                return proc, url
         except httpx.HTTPError:
             pass
         assert time.time() < deadline, "server did not come up"
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def running_server(*serve_args: str):
+    """``start_server``, stopped afterwards."""
+    proc, url = start_server(*serve_args)
     try:
         yield url
     finally:
@@ -555,24 +560,11 @@ def test_sigterm_drains_running_streams_then_ends_them_with_an_error_and_done(ll
     import signal
     import threading
 
-    port = free_port()
-    proc = subprocess.Popen(
-        pagelm_cmd("serve", str(llama_dir), "--port", str(port), "--no-access-log", "--served-model-name", MODEL,
-                   "--max-model-len", "512", "--num-kv-blocks", "2500", "--shutdown-timeout", "1"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc, url = start_server(
+        str(llama_dir), "--served-model-name", MODEL, "--max-model-len", "512", "--num-kv-blocks", "2500",
+        "--shutdown-timeout", "1",
     )
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline
-            time.sleep(0.2)
         events = {}
 
         def stream(name, max_tokens):  # 64 samples: seconds of work for the tiny model
