@@ -58,10 +58,6 @@ class LLMEngine:
         self.output_processor = OutputProcessor()
         self.inputs = InputProcessor(config, self.tokenizer, self.vocab_size, self.max_model_len)
 
-    @property
-    def max_logprobs(self) -> int:
-        return self.inputs.max_logprobs
-
     def add_request(
         self,
         request_id: str,
