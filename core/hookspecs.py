@@ -60,7 +60,7 @@ def pagelm_register_kernels(registry: "Registry") -> None:
     """Name the fused kernels behind the core's ops, sampler and decode graphs:
     ``registry.add("rms_norm", "pkg.module:function")``. The reference is imported on first
     use, not at registration (so registering does not import Triton). The names and the
-    signatures the core calls are listed in ``pagelm.ops.kernels.KERNELS``; a name nobody
+    signatures the core calls are listed in ``pagelm.kernels.KERNELS``; a name nobody
     registers runs its torch reference."""
 
 

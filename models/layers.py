@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagelm import ops
+from pagelm.models import ops
 from pagelm.models.weights import default_weight_loader
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pagelm.attention import Attention
-from pagelm import ops
+from pagelm.models import ops
 from pagelm.models.layers import Linear, MergedColumnLinear, QKVLinear, RMSNorm, RotaryEmbedding
 from pagelm.models.weights import load_packed_weights
 

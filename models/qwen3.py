@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagelm.models.layers import RMSNorm
-from pagelm import ops
+from pagelm.models import ops
 from pagelm.models.llama import LlamaAttention, LlamaForCausalLM
 from pagelm.models.qwen2 import qwen_sliding_window
 

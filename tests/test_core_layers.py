@@ -28,7 +28,7 @@ LAYERS = {
         "pagelm.sample.metadata", "pagelm.kv_cache.block_hash",
     ],
     2: [
-        "pagelm.plugin_manager", "pagelm.kv_cache", "pagelm.sched", "pagelm.sample", "pagelm.ops",
+        "pagelm.plugin_manager", "pagelm.kv_cache", "pagelm.sched", "pagelm.sample", "pagelm.kernels",
         "pagelm.spec_decode", "pagelm.structured_output", "pagelm.model_loader", "pagelm.hub",
     ],
     3: ["pagelm.worker"],

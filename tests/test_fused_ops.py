@@ -18,10 +18,10 @@ import transformers
 
 pytest.importorskip("triton")
 
-from pagelm import ops  # noqa: E402
+from pagelm.models import ops  # noqa: E402
 from pagelm.attention import AttentionImpl, ForwardContext, attention_layers, forward_context  # noqa: E402
 from pagelm.models import Qwen3ForCausalLM  # noqa: E402
-from pagelm.ops import reference  # noqa: E402
+from pagelm.models.ops import reference  # noqa: E402
 from pagelm.testing.triton_interpreter import interpreted_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -297,7 +297,7 @@ def test_cpu_tensors_take_the_reference_by_default():
 
 @pytest.mark.parametrize("value, disabled", [("1", True), ("0", False)])
 def test_env_var_disables_the_fused_kernels(value, disabled):
-    code = "import pagelm.ops as ops; print(ops.FUSED_OPS_DISABLED)"
+    code = "import pagelm.models.ops as ops; print(ops.FUSED_OPS_DISABLED)"
     env = {**os.environ, "PAGELM_DISABLE_FUSED_OPS": value}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == str(disabled)

@@ -12,7 +12,7 @@ import pytest
 from pagelm import LLM, SamplingParams, hookimpl, hookspecs
 from pagelm.backends.torch import TorchAttentionBackend
 from pagelm.models import LlamaForCausalLM
-from pagelm.ops.kernels import KERNELS
+from pagelm.kernels import KERNELS
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.policies.fcfs import FCFSPolicy
 from pagelm.sched.request_queue import RankedQueue
@@ -156,7 +156,7 @@ def fake_kernel(x):
 
 
 def test_hook_pagelm_register_kernels(plugin):
-    from pagelm.ops.kernels import fused_kernel
+    from pagelm.kernels import fused_kernel
 
     assert fused_kernel("test_add_one") is None
 

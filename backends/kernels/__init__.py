@@ -1,5 +1,5 @@
 """The built-in Triton kernels behind the core's fused ops, the sampler and the decode graphs,
-registered by name (``pagelm.ops.kernels``). Importing this plugin does not import Triton:
+registered by name (``pagelm.kernels``). Importing this plugin does not import Triton:
 each kernel module is imported when its kernel is first called (on CUDA; on the CPU only
 under ``TRITON_INTERPRET=1``, in tests)."""
 

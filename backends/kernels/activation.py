@@ -46,7 +46,7 @@ _BLOCK = 1024
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """Same contract as :func:`pagelm.ops.reference.silu_and_mul`."""
+    """Same contract as :func:`pagelm.models.ops.reference.silu_and_mul`."""
     assert x.shape[-1] % 2 == 0
     intermediate_size = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], intermediate_size, dtype=x.dtype, device=x.device)

@@ -87,7 +87,7 @@ def _num_warps(block: int) -> int:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`pagelm.ops.reference.rms_norm`; the outputs are new tensors."""
+    """Same contract as :func:`pagelm.models.ops.reference.rms_norm`; the outputs are new tensors."""
     hidden_size = x.shape[-1]
     assert weight.shape == (hidden_size,) and weight.is_contiguous()
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)

@@ -117,7 +117,7 @@ def rotary_embedding(
     rotary_dim: int,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`pagelm.ops.reference.rotary_embedding`, but rotates q and k
+    """Same contract as :func:`pagelm.models.ops.reference.rotary_embedding`, but rotates q and k
     in place and returns them. ``qk_norm=(q_weight, k_weight, eps)`` first applies a per-head
     RMSNorm (one launch instead of three; needs ``rotary_dim == head_dim``)."""
     num_tokens = positions.numel()

@@ -10,7 +10,7 @@ import importlib.util
 
 import torch
 
-from pagelm.ops.kernels import fused_kernel
+from pagelm.kernels import fused_kernel
 
 _TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 _BITS = None

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from pagelm.attention import AttentionMetadataBuilder, CommonAttentionMetadata, ForwardContext, forward_context
-from pagelm.ops.kernels import fused_kernel
+from pagelm.kernels import fused_kernel
 from pagelm.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger("pagelm")

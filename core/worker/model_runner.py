@@ -34,7 +34,7 @@ from pagelm.attention import (
 )
 from pagelm.config import EngineConfig
 from pagelm.kv_cache import cdiv
-from pagelm.ops.kernels import fused_kernel
+from pagelm.kernels import fused_kernel
 from pagelm.sample import Sampler, SamplerOutput, SamplingMetadata
 from pagelm.sample.bitmask import apply_token_bitmask, upload_bitmask
 from pagelm.sample.sampler import LogprobsTensors

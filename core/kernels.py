@@ -18,7 +18,7 @@ import pagelm.plugin_manager as plugin_manager
 
 # The kernels the core looks up, with the call it makes (see each caller's reference path).
 KERNELS = {
-    "rms_norm": "rms_norm(x, weight, eps, residual) -> (normed, x + residual)  (pagelm.ops)",
+    "rms_norm": "rms_norm(x, weight, eps, residual) -> (normed, x + residual)  (pagelm.models.ops)",
     "rotary_embedding": "rotary_embedding(positions, q, k, cos_sin_cache, head_dim, rotary_dim, qk_norm=None)",
     "silu_and_mul": "silu_and_mul(x) -> silu(gate) * up",
     "gemv": "gemv(x, weight, bias, silu_input=False, norm=None): one-row linear, optional prologues",

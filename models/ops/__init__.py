@@ -2,9 +2,9 @@
 and the projections of batch-1 decode (a Triton GEMV, optionally with SiLU-and-mul
 fused into its input).
 
-Each op runs a fused kernel on CUDA tensors and its torch reference (``pagelm.ops.reference``)
+Each op runs a fused kernel on CUDA tensors and its torch reference (``pagelm.models.ops.reference``)
 everywhere else. The kernels come from plugins through the kernel registry
-(``pagelm.ops.kernels``; the built-in ones are Triton, ``pagelm.backends.kernels``) and are
+(``pagelm.kernels``; the built-in ones are Triton, ``pagelm.backends.kernels``) and are
 imported on first use, so this package imports without Triton. ``PAGELM_DISABLE_FUSED_OPS=1`` (read at import) keeps CUDA on the references too;
 ``use_triton=True`` forces the kernels, as the CPU tests do under ``TRITON_INTERPRET=1``.
 """
@@ -16,8 +16,8 @@ import os
 
 import torch
 
-from pagelm.ops import reference
-from pagelm.ops.kernels import fused_kernel
+from pagelm.models.ops import reference
+from pagelm.kernels import fused_kernel
 
 FUSED_OPS_DISABLED = os.environ.get("PAGELM_DISABLE_FUSED_OPS", "0").lower() in ("1", "true", "on", "yes")
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
