@@ -5,7 +5,7 @@ import gc
 import pytest
 import torch
 
-from pagelm.testing import build_tiny_model
+from pagelm.models.testing import build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ from pagelm.request import Request, RequestStatus
 from pagelm.sched.scheduler import Scheduler
 from pagelm.spec_decode import Proposer
 from pagelm.worker.output import ModelRunnerOutput
-from pagelm.testing.speculative import count_launches, registered_proposer
+from spec_helpers import count_launches, registered_proposer
 
 
 def prompts_for(vocab_size, n=10, seed=3):

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("triton")
 
 from pagelm.sample.bitmask import apply_token_bitmask_torch  # noqa: E402
-from pagelm.testing.triton_interpreter import interpreted_kernels  # noqa: E402
+from triton_interpreter import interpreted_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")

@@ -25,7 +25,7 @@ from pagelm import LLM, SamplingParams
 from pagelm.attention import AttentionSpec, CommonAttentionMetadata
 from pagelm.backends.flashinfer import FlashInferAttentionBackend
 from pagelm.backends.torch import TorchAttentionBackend
-from pagelm.testing.cuda import forbid_host_sync
+from cuda_helpers import forbid_host_sync
 
 # The harness shared with the CPU tests (tests/ is on sys.path under pytest's default import mode).
 from test_flashinfer_backend import run_against_torch

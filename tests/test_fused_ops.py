@@ -22,7 +22,7 @@ from pagelm.models import ops  # noqa: E402
 from pagelm.attention import AttentionImpl, ForwardContext, attention_layers, forward_context  # noqa: E402
 from pagelm.models import Qwen3ForCausalLM  # noqa: E402
 from pagelm.models.ops import reference  # noqa: E402
-from pagelm.testing.triton_interpreter import interpreted_kernels  # noqa: E402
+from triton_interpreter import interpreted_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")

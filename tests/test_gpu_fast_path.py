@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagelm import LLM, SamplingParams
-from pagelm.testing.cuda import forbid_host_sync
+from cuda_helpers import forbid_host_sync
 
 pytestmark = pytest.mark.gpu
 

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from pagelm.testing.triton_interpreter import interpret_triton  # noqa: E402
+from triton_interpreter import interpret_triton  # noqa: E402
 from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner  # noqa: E402
 from pagelm.worker.input_buffers import InputBuffers  # noqa: E402
 

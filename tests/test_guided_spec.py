@@ -17,7 +17,7 @@ from pagelm.request import Request
 from pagelm.sample.bitmask import unpack_bitmask
 from pagelm.spec_decode import Proposer
 from pagelm.structured_output import StructuredOutputManager
-from pagelm.testing.speculative import count_launches, registered_proposer
+from spec_helpers import count_launches, registered_proposer
 
 EOS = 1  # the tiny tokenizer's <|eos|>
 VOCAB = 520  # the tiny model's (wider than its tokenizer's 512)

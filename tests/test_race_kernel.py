@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 
 from pagelm.sample.bitmask import unpack_bitmask  # noqa: E402
 from pagelm.sample.sampler import draw_race_noise  # noqa: E402
-from pagelm.testing.triton_interpreter import interpreted_kernels  # noqa: E402
+from triton_interpreter import interpreted_kernels  # noqa: E402
 
 MODULE = "pagelm.backends.kernels.race"
 

@@ -9,7 +9,7 @@ from pagelm import LLM, SamplingParams
 from pagelm.plugins.bench.latency import reject_all_drafts
 from pagelm.spec_decode import Proposer, SpeculativeConfig
 from pagelm.spec_decode.backoff import DraftBackoff
-from pagelm.testing.speculative import registered_proposer
+from spec_helpers import registered_proposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 REPETITIVE = [{"prompt_token_ids": [40 + i, 41, 42, 43, 44] * 8} for i in range(4)]

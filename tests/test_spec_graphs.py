@@ -129,7 +129,7 @@ def triton_on_cpu():
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("graph emulation for the CPU; CUDA runs the real graphs")
-    from pagelm.testing.triton_interpreter import interpreted_kernels
+    from triton_interpreter import interpreted_kernels
 
     with interpreted_kernels("pagelm.backends.triton.paged_attention", "pagelm.backends.triton.kv_store"):
         yield

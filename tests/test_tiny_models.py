@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagelm.testing import SPECIAL_TOKENS, build_tiny_model, build_tokenizer, tiny_model_dir, tiny_models
+from pagelm.models import testing as tiny_models
+from pagelm.models.testing import SPECIAL_TOKENS, build_tiny_model, build_tokenizer, tiny_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 from pagelm import LLM, SamplingParams  # noqa: E402
 from pagelm.attention import AttentionSpec  # noqa: E402
 from pagelm.testing.conformance import paged_metadata  # noqa: E402
-from pagelm.testing.triton_interpreter import interpreted_kernels  # noqa: E402
+from triton_interpreter import interpreted_kernels  # noqa: E402
 from pagelm.backends.torch import TorchAttentionBackend  # noqa: E402
 from pagelm.backends.triton import TritonAttentionBackend  # noqa: E402
 from pagelm.backends.triton.backend import TritonMetadataBuilder  # noqa: E402

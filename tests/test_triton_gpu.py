@@ -9,7 +9,7 @@ import torch
 from pagelm import LLM, SamplingParams
 from pagelm.attention import AttentionSpec, CommonAttentionMetadata
 from pagelm.backends.triton import TritonAttentionBackend
-from pagelm.testing.cuda import forbid_host_sync
+from cuda_helpers import forbid_host_sync
 
 # The harness shared with the CPU tests (tests/ is on sys.path under pytest's default import mode).
 from test_triton_backend import engine_tokens, run_both

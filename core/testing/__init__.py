@@ -1,11 +1,3 @@
-"""Offline fixtures for tests and demos: tiny tokenizers and tiny HF model directories."""
-
-from pagelm.testing.tiny_models import (
-    ARCHS,
-    SPECIAL_TOKENS,
-    build_tiny_model,
-    build_tokenizer,
-    tiny_model_dir,
-)
-
-__all__ = ["ARCHS", "SPECIAL_TOKENS", "build_tiny_model", "build_tokenizer", "tiny_model_dir"]
+"""The conformance kit (``pagelm.testing.conformance``): checks a plugin author runs against a
+scheduling policy, attention backend or proposer. Tiny model directories to run them on are
+built by ``pagelm.models.testing``."""

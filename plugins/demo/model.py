@@ -24,7 +24,7 @@ from filelock import FileLock
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from pagelm.testing.tiny_models import IM_END, IM_START, chatml_tokenizer, train_bpe_tokenizer
+from pagelm.models.testing import IM_END, IM_START, chatml_tokenizer, train_bpe_tokenizer
 
 # Bump the version whenever the recipe changes, so caches holding an older model are not reused.
 DEMO_MODEL_NAME = "demo-llama-v1"

@@ -3,7 +3,7 @@
 from pagelm.config import EngineConfig
 from pagelm.request import Request
 from pagelm.sampling_params import SamplingParams
-from pagelm.testing import build_tiny_model
+from pagelm.models.testing import build_tiny_model
 from pagelm.testing.conformance import check_scheduling_policy
 
 from pagelm_fairshare import FairSharePolicy
