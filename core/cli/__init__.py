@@ -1,5 +1,5 @@
 """The ``pagelm`` command: a dispatcher. The core's own subcommands live in modules here
-exposing ``add_parser(subparsers)``; plugins add theirs (``serve``, ``bench``, ``simulate``)
+exposing ``add_parser(subparsers)``; plugins add theirs (``generate``, ``serve``, ``bench``, ``simulate``)
 through the ``pagelm_register_cli_commands`` hook."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import importlib
 import sys
 
 # The core's subcommand modules under pagelm.cli, listed first by `pagelm --help`.
-COMMANDS = ["generate", "plugins"]
+COMMANDS = ["plugins"]
 
 
 def build_parser() -> argparse.ArgumentParser:
