@@ -138,8 +138,7 @@ class EngineConfig:
             )
         if self.max_logprobs < -1:
             out.append(f"max_logprobs must be >= 0, or -1 for the vocabulary size, got {self.max_logprobs}")
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            out.append(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        # load_format names a registered model loader, looked up when the engine starts, as
         # speculative_config is checked when the engine starts, after its method is looked up
         # among the registered proposers (EngineCore._proposer_class).
         return out

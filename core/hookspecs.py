@@ -56,6 +56,12 @@ def pagelm_register_models(registry: "Registry") -> None:
 
 
 @hookspec
+def pagelm_register_model_loaders(registry: "Registry") -> None:
+    """Add ``ModelLoader`` subclasses (``pagelm.model_loader``) keyed by the ``load_format``
+    names they serve: ``registry.add("safetensors", loader_cls)``."""
+
+
+@hookspec
 def pagelm_register_kernels(registry: "Registry") -> None:
     """Name the fused kernels behind the core's ops, sampler and decode graphs:
     ``registry.add("rms_norm", "pkg.module:function")``. The reference is imported on first

@@ -1,102 +1,44 @@
-"""Loading a Hugging Face model directory: config, architecture lookup in the model registry,
-and weights from one ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
+"""The model-loader contract: how the engine core gets its model for a ``load_format``.
+
+Loaders are plugins (``pagelm_register_model_loaders``), keyed by the ``load_format`` names
+they serve. The built-in ones, in ``pagelm.models.loader``: ``auto`` and ``safetensors`` read
+the checkpoint's safetensors files, ``dummy`` draws random weights of the config's shapes
+(benchmarks). The engine asks a loader two things: where the model lives (before the
+tokenizer is read), and the built model on the engine core's device.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-from contextlib import contextmanager
+from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors import safe_open
-from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import PretrainedConfig
 
-from pagelm.config import EngineConfig
-from pagelm.plugin_manager import get_plugin_manager
-
-
-def resolve_model_path(model: str) -> Path:
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    raise FileNotFoundError(
-        f"model={model!r} is not a local model directory (expected config.json, *.safetensors "
-        "and tokenizer files, as written by save_pretrained)"
-    )
+    from pagelm.config import EngineConfig
 
 
-def load_hf_config(path: Path) -> PretrainedConfig:
-    return AutoConfig.from_pretrained(path)
-
-
-def model_class_for(hf_config: PretrainedConfig) -> type[nn.Module]:
-    registry = get_plugin_manager().models()
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    for arch in archs:
-        if arch in registry:
-            return registry.get(arch)
-    raise ValueError(
-        f"model architecture(s) {archs} are not supported; registered: {', '.join(registry.names())}"
-    )
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype):
-    """Parameters created inside are ``dtype`` (the model is built directly in it)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-def safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path} (use load_format='dummy' for random weights)")
-    return files
-
-
-def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
-def load_model(
-    config: EngineConfig, path: Path, hf_config: PretrainedConfig, device: torch.device, dtype: torch.dtype
-) -> nn.Module:
-    cls = model_class_for(hf_config)
-    with torch.device(device), default_dtype(dtype):
-        model = cls(hf_config)
-    if config.load_format == "dummy":
-        _init_dummy(model, seed=config.seed)
-    else:
-        loaded = model.load_weights(iterate_weights(path))
-        # named_parameters() lists a tied lm_head once, under the embedding's name.
-        missing = sorted(
-            name for name, _ in model.named_parameters() if name not in loaded
+class ModelLoader(ABC):
+    @classmethod
+    def resolve(cls, model: str) -> str:
+        """The local directory holding ``model`` (config.json, tokenizer files). This default
+        takes local directories only; a loader that downloads (the built-in ones fetch
+        Hugging Face hub ids) overrides it."""
+        path = Path(model).expanduser()
+        if path.is_dir():
+            return str(path)
+        raise FileNotFoundError(
+            f"model={model!r} is not a local model directory (expected config.json, *.safetensors "
+            "and tokenizer files, as written by save_pretrained)"
         )
-        if missing:
-            raise ValueError(f"weights missing from {path}: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    return model.eval()
 
-
-@torch.no_grad()
-def _init_dummy(model: nn.Module, seed: int) -> None:
-    """Random weights with the config's shapes (benchmarks): small uniform values keep
-    activations finite in any dtype. Drawn on the parameters' own device (an 8B model in
-    seconds on a GPU) from one seeded generator, so a seed gives the same model every run."""
-    gens: dict[torch.device, torch.Generator] = {}
-    for param in model.parameters():
-        gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
-        param.uniform_(-1e-3, 1e-3, generator=gen)
+    @classmethod
+    @abstractmethod
+    def load(
+        cls, config: EngineConfig, hf_config: PretrainedConfig, device: torch.device, dtype: torch.dtype
+    ) -> nn.Module:
+        """The model for the directory ``config.model``, built on ``device`` in ``dtype``, in
+        eval mode; an error naming what is missing when it cannot be built."""

@@ -205,6 +205,9 @@ class PluginManager:
     def models(self) -> Registry:
         return self._collect("model architecture")
 
+    def model_loaders(self) -> Registry:
+        return self._collect("model loader")
+
     def cli_commands(self) -> Registry:
         return self._collect("cli command")
 
@@ -244,6 +247,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
     """Plugin kind -> (registration hook, the ABC its entries must subclass)."""
     # The contract modules themselves, not their packages (which import the engine parts).
     from pagelm.attention.backend import AttentionBackend
+    from pagelm.model_loader import ModelLoader
     from pagelm.sched.policy import SchedulingPolicy
     from pagelm.spec_decode.proposer import Proposer
     from pagelm.structured_output.backend import StructuredOutputBackend
@@ -254,6 +258,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
         "structured output backend": ("pagelm_register_structured_output_backends", StructuredOutputBackend),
         "speculative proposer": ("pagelm_register_proposers", Proposer),
         "model architecture": ("pagelm_register_models", None),
+        "model loader": ("pagelm_register_model_loaders", ModelLoader),
         "cli command": ("pagelm_register_cli_commands", None),
         "kernel": ("pagelm_register_kernels", None),
     }

@@ -25,11 +25,11 @@ LAYERS = {
         "pagelm.sched.request_queue", "pagelm.sched.output", "pagelm.attention",
         "pagelm.spec_decode.proposer", "pagelm.spec_decode.config", "pagelm.spec_decode.stats",
         "pagelm.structured_output.backend", "pagelm.worker.output", "pagelm.engine.core_output",
-        "pagelm.sample.metadata", "pagelm.kv_cache.block_hash",
+        "pagelm.sample.metadata", "pagelm.kv_cache.block_hash", "pagelm.model_loader",
     ],
     2: [
         "pagelm.plugin_manager", "pagelm.kv_cache", "pagelm.sched", "pagelm.sample", "pagelm.kernels",
-        "pagelm.spec_decode", "pagelm.structured_output", "pagelm.model_loader", "pagelm.hub",
+        "pagelm.spec_decode", "pagelm.structured_output",
     ],
     3: ["pagelm.worker"],
     4: ["pagelm.engine", "pagelm.metrics"],

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagelm import LLM, SamplingParams, hookimpl, hookspecs
 from pagelm.backends.torch import TorchAttentionBackend
@@ -15,6 +16,7 @@ from pagelm.models import LlamaForCausalLM
 from pagelm.kernels import KERNELS
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.policies.fcfs import FCFSPolicy
+from pagelm.registry import UnknownNameError
 from pagelm.sched.request_queue import RankedQueue
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,6 +133,48 @@ def test_hook_pagelm_register_models(llama_dir, plugin, tmp_path):
     _, want = generate(llama_dir)
     assert RenamedLlama.built == 1
     assert outs[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_hook_pagelm_register_model_loaders(llama_dir, plugin, tmp_path):
+    """A third-party load_format: the weights as one torch state dict (``model.pt``) beside
+    config.json, no safetensors. The engine builds the model through it and generates the
+    same tokens as from the safetensors checkpoint."""
+    from safetensors.torch import load_file
+
+    from pagelm.model_loader import ModelLoader
+    from pagelm.models.loader import _build
+
+    model_dir = tmp_path / "torch-format"
+    model_dir.mkdir()
+    for f in llama_dir.iterdir():
+        if f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
+            shutil.copy(f, model_dir / f.name)
+    weights = {}
+    for f in llama_dir.glob("*.safetensors"):
+        weights.update(load_file(f))
+    torch.save(weights, model_dir / "model.pt")
+    loads = []
+
+    class TorchStateDictLoader(ModelLoader):
+        @classmethod
+        def load(cls, config, hf_config, device, dtype):
+            loads.append(config.model)
+            model = _build(hf_config, device, dtype)
+            model.load_weights(torch.load(Path(config.model) / "model.pt").items())
+            return model.eval()
+
+    class P:
+        @hookimpl
+        def pagelm_register_model_loaders(self, registry):
+            registry.add("torch-state-dict", TorchStateDictLoader)
+
+    plugin(P())
+    _, outs = generate(model_dir, load_format="torch-state-dict")
+    _, want = generate(llama_dir)
+    assert loads == [str(model_dir)]
+    assert outs[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    with pytest.raises(UnknownNameError, match="model loader 'no-such-format'.*torch-state-dict"):
+        generate(llama_dir, load_format="no-such-format")
 
 
 def test_hook_pagelm_register_cli_commands(plugin, capsys):

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from pagelm.cli import build_parser
-from pagelm.hub import ModelResolutionError, resolve_model
+from pagelm.models.hub import ModelResolutionError, resolve_model
 from pagelm.outputs import CompletionOutput, RequestOutput
 
 

@@ -19,15 +19,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from pagelm.attention import GraphSupport, attention_layers
 from pagelm.attention.selector import select_attention_backend
 from pagelm.config import EngineConfig
 from pagelm.engine.core_output import EngineCoreOutput
 from pagelm.kv_cache import KVCacheManager, cdiv, make_block_hasher
-from pagelm.model_loader import load_hf_config, load_model, resolve_model_path
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.request import Request, RequestStatus
 from pagelm.sched.scheduler import Scheduler
@@ -57,14 +58,16 @@ class EngineCore:
         if problems:
             raise ValueError(f"scheduling_policy={config.scheduling_policy!r}: " + "; ".join(problems))
         proposer_cls = self._proposer_class(plugins)
+        loader = plugins.model_loaders().get(config.load_format)
 
-        path = resolve_model_path(config.model)
-        self.hf_config = load_hf_config(path)
+        config.model = loader.resolve(config.model)  # a hub id becomes its local snapshot
+        path = Path(config.model)
+        self.hf_config = AutoConfig.from_pretrained(path)
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.hf_config)
         self.max_model_len = self._max_model_len()
         self.vocab_size = self.hf_config.vocab_size
-        model = load_model(config, path, self.hf_config, self.device, self.dtype)
+        model = loader.load(config, self.hf_config, self.device, self.dtype)
         layers = attention_layers(model)
         backend_cls = select_attention_backend(
             config, plugins.attention_backends(), layers[0].spec, self.dtype, self.device

@@ -15,9 +15,9 @@ from transformers import AutoTokenizer
 from pagelm.config import EngineConfig
 from pagelm.engine.engine_core import EngineCore
 from pagelm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
-from pagelm.hub import resolve_model
 from pagelm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest, RequestState
 from pagelm.outputs import RequestOutput
+from pagelm.plugin_manager import get_plugin_manager
 from pagelm.request import Request
 from pagelm.sampling_params import INT64_MIN, SamplingParams
 
@@ -45,7 +45,7 @@ class LLMEngine:
         if not Path(config.model).expanduser().is_dir():
             # A hub id becomes its local snapshot; anything else fails here at once, not after
             # the tokenizer's ~50 s of hub retries.
-            config.model = resolve_model(config.model)
+            config.model = get_plugin_manager().model_loaders().get(config.load_format).resolve(config.model)
         model_dir = Path(config.model).expanduser()
         self.tokenizer = (
             None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.tokenizer or config.model)

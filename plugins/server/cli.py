@@ -93,7 +93,7 @@ def resolve_serve_model(given: str | None, revision: str | None = None) -> tuple
             raise SystemExit(f"no MODEL given and the built-in demo model is unavailable: {exc}")
         path = ensure_demo_model()
         return str(path), "pagelm-demo"
-    from pagelm.hub import ModelResolutionError, resolve_model
+    from pagelm.models.hub import ModelResolutionError, resolve_model
 
     try:
         return resolve_model(given, revision=revision), given

@@ -28,11 +28,11 @@ from torch import nn
 
 from pagelm import hookimpl
 from pagelm.attention import ForwardContext, attention_layers, forward_context
-from pagelm.model_loader import default_dtype, iterate_weights
+from pagelm.models.loader import default_dtype, iterate_weights
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.spec_decode import ProposalBatch, Proposer
 
-PAGELM_PLUGIN_API = "2.1"
+PAGELM_PLUGIN_API = "2.2"
 
 
 class EagleProposer(Proposer):
