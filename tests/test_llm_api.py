@@ -200,3 +200,17 @@ def test_detokenizer_finds_stop_string_spanning_tokens(llama_dir):
     for t in ids:
         hit = hit or detok.update([t])
     assert hit == "\nEND" and detok.output_text == "return value"
+
+
+def test_every_forward_pass_runs_in_inference_mode(llm):
+    """No autograd on the serving path: a step's forward pass (prefill and decode) runs under
+    torch.inference_mode, so it records no graph and its tensors stay plain inference
+    tensors (FlashInfer's plan buffers, for one, must be written in the same mode)."""
+    model = llm.engine.core.runner.model
+    modes = []
+    handle = model.register_forward_hook(lambda m, args, out: modes.append((torch.is_inference_mode_enabled(), out.requires_grad)))
+    try:
+        llm.generate(["hello there"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    finally:
+        handle.remove()
+    assert len(modes) == 3 and all(m == (True, False) for m in modes), modes

@@ -204,11 +204,11 @@ class ModelRunner:
                 state.block_ids.extend(cached.new_block_ids)
 
     # ---- one step ------------------------------------------------------------------------
-    @torch.inference_mode()
     def drop_in_flight(self) -> None:
         """Forget the step in flight (a step failed: its requests are being failed)."""
         self._in_flight = None
 
+    @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> PendingStep:
         """Queue one step on the device: its inputs, the forward pass, sampling, and the copy of
         the sampled ids to host memory; return without waiting for it. Each request that
