@@ -82,6 +82,15 @@ class EngineConfig:
     # Most logprobs (and prompt_logprobs) one request may ask for, as vLLM's max_logprobs:
     # each is a top-k over the vocabulary every step. -1: up to the vocabulary size.
     max_logprobs: int = 20
+    # Scale-out, with vLLM's names: ranks that each hold a slice of every layer (tensor
+    # parallel), and the registered executor that starts the ranks beside the engine core's
+    # own (None: "uni" for one rank, "mp" for local processes otherwise). Collectives that
+    # wait longer than distributed_timeout seconds fail the step (a rank died).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    distributed_timeout: float = 300.0
     # Extra, plugin-specific settings (e.g. a policy's knobs) pass through untouched.
     plugin_config: dict[str, Any] = field(default_factory=dict)
 
@@ -138,10 +147,27 @@ class EngineConfig:
             )
         if self.max_logprobs < -1:
             out.append(f"max_logprobs must be >= 0, or -1 for the vocabulary size, got {self.max_logprobs}")
+        if self.tensor_parallel_size < 1:
+            out.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        for name in ("pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) != 1:
+                out.append(f"{name} must be 1 (only tensor parallelism is implemented yet), got {getattr(self, name)}")
+        if not self.distributed_timeout > 0:
+            out.append(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         # load_format names a registered model loader, looked up when the engine starts, as
         # speculative_config is checked when the engine starts, after its method is looked up
         # among the registered proposers (EngineCore._proposer_class).
         return out
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
 
     @property
     def speculative(self):

@@ -62,6 +62,13 @@ def pagelm_register_model_loaders(registry: "Registry") -> None:
 
 
 @hookspec
+def pagelm_register_executors(registry: "Registry") -> None:
+    """Add ``Executor`` subclasses (``pagelm.executor``): how the ranks beside the engine
+    core's are started and reached; ``registry.add(name, executor_cls)``, the name is what
+    ``distributed_executor_backend=`` selects (built in: ``uni``, ``mp``)."""
+
+
+@hookspec
 def pagelm_register_kernels(registry: "Registry") -> None:
     """Name the fused kernels behind the core's ops, sampler and decode graphs:
     ``registry.add("rms_norm", "pkg.module:function")``. The reference is imported on first

@@ -26,7 +26,8 @@ from typing import Any
 # makes (make_queue), the policy ranks (rank) and picks victims (docs/plugins.md, migration).
 # 2.1 added StructuredOutputBackend.offload (a GrammarOffload; default None) and
 # ProposalBatch.extra_args.
-# 2.2 added the pagelm_register_model_loaders hook (ModelLoader, keyed by load_format).
+# 2.2 added the pagelm_register_model_loaders hook (ModelLoader, keyed by load_format) and
+# the pagelm_register_executors hook (Executor, keyed by distributed_executor_backend).
 PLUGIN_API_VERSION = "2.2"
 PLUGIN_API_ATTRIBUTE = "PAGELM_PLUGIN_API"
 

@@ -208,6 +208,9 @@ class PluginManager:
     def model_loaders(self) -> Registry:
         return self._collect("model loader")
 
+    def executors(self) -> Registry:
+        return self._collect("executor")
+
     def cli_commands(self) -> Registry:
         return self._collect("cli command")
 
@@ -247,6 +250,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
     """Plugin kind -> (registration hook, the ABC its entries must subclass)."""
     # The contract modules themselves, not their packages (which import the engine parts).
     from pagelm.attention.backend import AttentionBackend
+    from pagelm.executor import Executor
     from pagelm.model_loader import ModelLoader
     from pagelm.sched.policy import SchedulingPolicy
     from pagelm.spec_decode.proposer import Proposer
@@ -259,6 +263,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
         "speculative proposer": ("pagelm_register_proposers", Proposer),
         "model architecture": ("pagelm_register_models", None),
         "model loader": ("pagelm_register_model_loaders", ModelLoader),
+        "executor": ("pagelm_register_executors", Executor),
         "cli command": ("pagelm_register_cli_commands", None),
         "kernel": ("pagelm_register_kernels", None),
     }

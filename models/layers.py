@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagelm.distributed import all_gather, all_reduce, parallel_state
 from pagelm.models import ops
 from pagelm.models.weights import default_weight_loader
 
@@ -126,40 +127,73 @@ class Linear(nn.Module):
 
 
 class FusedColumnLinear(Linear):
-    """Several projections of the same input stacked along the output dim, one matmul.
+    """Several projections of the same input stacked along the output dim, one matmul;
+    column-parallel under tensor parallelism (each rank holds its slice of every projection).
 
-    ``shard_sizes`` names each slice in order; ``weight_loader(param, tensor, shard_id)``
-    copies a checkpoint's separate projection into its slice.
+    ``shard_sizes`` names each projection with its full (all-ranks) size, in order;
+    ``weight_loader(param, tensor, shard_id)`` copies this rank's rows of a checkpoint's
+    separate projection into its slice. ``_source_rows`` says which rows those are (QKV
+    overrides it for key/value heads shared by several ranks).
     """
 
     def __init__(self, input_size: int, shard_sizes: dict[str | int, int], bias: bool = False) -> None:
-        super().__init__(input_size, sum(shard_sizes.values()), bias)
+        tp = parallel_state().tp_size
+        for shard_id, size in shard_sizes.items():
+            if size % tp:
+                raise ValueError(f"projection {shard_id!r} of size {size} does not split over tensor_parallel_size={tp}")
+        local = {shard_id: self._local_size(shard_id, size) for shard_id, size in shard_sizes.items()}
+        super().__init__(input_size, sum(local.values()), bias)
         self.shard_offsets: dict[str | int, tuple[int, int]] = {}
         offset = 0
-        for shard_id, size in shard_sizes.items():
+        for shard_id, size in local.items():
             self.shard_offsets[shard_id] = (offset, size)
             offset += size
         for param in self.parameters():
             param.weight_loader = self.weight_loader
 
+    def _local_size(self, shard_id: str | int, size: int) -> int:
+        return size // parallel_state().tp_size
+
+    def _source_rows(self, shard_id: str | int, size: int) -> int:
+        """The first row of this rank's slice in the checkpoint's projection ``shard_id``."""
+        return parallel_state().tp_rank * size
+
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
         if shard_id is None:  # a checkpoint that already stores the fused tensor
+            if parallel_state().tp_size > 1:
+                raise ValueError("a fused projection checkpoint cannot be split for tensor parallelism")
             return default_weight_loader(param, loaded)
         offset, size = self.shard_offsets[shard_id]
-        default_weight_loader(param.data.narrow(0, offset, size), loaded)
+        rows = loaded.narrow(0, self._source_rows(shard_id, size), size)
+        default_weight_loader(param.data.narrow(0, offset, size), rows)
 
 
 class QKVLinear(FusedColumnLinear):
-    """q, k and v projections in one weight: ``[q (heads*d) | k (kv_heads*d) | v (kv_heads*d)]``."""
+    """q, k and v projections in one weight: ``[q (heads*d) | k (kv_heads*d) | v (kv_heads*d)]``,
+    this rank's heads of each. With more ranks than key/value heads, each kv head is held by
+    ``tp / kv_heads`` ranks: the ones whose query heads use it."""
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
     ) -> None:
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        tp = parallel_state().tp_size
+        if num_heads % tp or (num_kv_heads % tp and tp % num_kv_heads):
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide num_attention_heads={num_heads}, and divide or be "
+                f"a multiple of num_key_value_heads={num_kv_heads}"
+            )
+        self.head_dim, self.num_kv_heads = head_dim, num_kv_heads
+        q_size, kv_size = num_heads * head_dim, max(num_kv_heads, tp) * head_dim
         super().__init__(hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias)
-        self.q_size, self.kv_size = q_size, kv_size
+        self.q_size, self.kv_size = self.shard_offsets["q"][1], self.shard_offsets["k"][1]
+
+    def _source_rows(self, shard_id: str | int, size: int) -> int:
+        state = parallel_state()
+        if shard_id == "q" or self.num_kv_heads >= state.tp_size:
+            return state.tp_rank * size
+        return state.tp_rank // (state.tp_size // self.num_kv_heads) * self.head_dim
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.split_qkv(super().forward(x))
@@ -177,3 +211,74 @@ class MergedColumnLinear(FusedColumnLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__(input_size, dict(enumerate(output_sizes)), bias)
+
+
+class RowParallelLinear(Linear):
+    """A projection whose input features are split over the ranks (``o_proj``, ``down_proj``,
+    after a column-parallel one): each rank multiplies its slice, the partial sums are
+    all-reduced, and the bias is added once, after the sum."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp = parallel_state().tp_size
+        if input_size % tp:
+            raise ValueError(f"input size {input_size} does not split over tensor_parallel_size={tp}")
+        super().__init__(input_size // tp, output_size, bias)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[1]
+        default_weight_loader(param, loaded.narrow(1, parallel_state().tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if parallel_state().tp_size == 1:
+            return ops.linear(x, self.weight, self.bias)
+        return self.reduce(ops.linear(x, self.weight, None))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The layer's output from this rank's partial product (computed without the bias)."""
+        out = all_reduce(partial)
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding with the vocabulary split over the ranks (``ceil(vocab / tp)`` rows
+    each, the last padded): a rank embeds the ids in its range, zeros elsewhere, and the sum
+    over ranks is every token's embedding. ``ParallelLMHead`` splits the same way, so a tied
+    LM head shares this weight."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        state = parallel_state()
+        self.num_local = -(-vocab_size // state.tp_size)
+        self.start = state.tp_rank * self.num_local
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = loaded[self.start : self.start + self.num_local]
+        param.data[: rows.shape[0]].copy_(rows)
+        param.data[rows.shape[0] :].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if parallel_state().tp_size == 1:
+            return nn.functional.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_local)
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The LM head, split over the vocabulary as the embedding is: each rank's logits for its
+    rows, gathered (and the padding cut) into the full vocabulary on every rank."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.bias = None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = ops.linear(hidden_states, self.weight, self.bias)
+        if parallel_state().tp_size == 1:
+            return logits
+        return all_gather(logits, dim=-1)[..., : self.vocab_size]

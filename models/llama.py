@@ -16,8 +16,17 @@ import torch
 from torch import nn
 
 from pagelm.attention import Attention
+from pagelm.distributed import parallel_state
 from pagelm.models import ops
-from pagelm.models.layers import Linear, MergedColumnLinear, QKVLinear, RMSNorm, RotaryEmbedding
+from pagelm.models.layers import (
+    MergedColumnLinear,
+    ParallelLMHead,
+    QKVLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from pagelm.models.weights import load_packed_weights
 
 
@@ -35,12 +44,13 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVLinear(
             config.hidden_size, self.head_dim, num_heads, num_kv_heads, bias=self.qkv_bias(config)
         )
-        self.o_proj = Linear(num_heads * self.head_dim, config.hidden_size, bias=attention_bias)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, bias=attention_bias)
         self.rotary_emb = RotaryEmbedding.from_config(config, self.head_dim)
+        # This rank's heads (all of them without tensor parallelism).
         self.attn = Attention(
-            num_heads,
+            self.qkv_proj.q_size // self.head_dim,
             self.head_dim,
-            num_kv_heads,
+            self.qkv_proj.kv_size // self.head_dim,
             scale=self.head_dim**-0.5,
             sliding_window=self.sliding_window(config, layer_idx),
         )
@@ -82,7 +92,7 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {hidden_act!r}: only silu is implemented")
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedColumnLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(
         self, hidden_states: torch.Tensor, residual: torch.Tensor, input_norm: nn.Module
@@ -91,7 +101,9 @@ class LlamaMLP(nn.Module):
         batch 1 that is two kernels: the norm inside gate_up, silu(gate) * up inside down."""
         gate_up, residual = self.gate_up_proj.forward_normed(input_norm, hidden_states, residual)
         d = self.down_proj
-        return ops.silu_and_mul_linear(gate_up, d.weight, d.bias), residual
+        if parallel_state().tp_size == 1:
+            return ops.silu_and_mul_linear(gate_up, d.weight, d.bias), residual
+        return d.reduce(ops.silu_and_mul_linear(gate_up, d.weight, None)), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -114,7 +126,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config, attention_cls: type[LlamaAttention]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, attention_cls) for i in range(config.num_hidden_layers)
         )
@@ -135,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.attention_cls)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

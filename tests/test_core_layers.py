@@ -25,7 +25,8 @@ LAYERS = {
         "pagelm.sched.request_queue", "pagelm.sched.output", "pagelm.attention",
         "pagelm.spec_decode.proposer", "pagelm.spec_decode.config", "pagelm.spec_decode.stats",
         "pagelm.structured_output.backend", "pagelm.worker.output", "pagelm.engine.core_output",
-        "pagelm.sample.metadata", "pagelm.kv_cache.block_hash", "pagelm.model_loader",
+        "pagelm.sample.metadata", "pagelm.kv_cache.block_hash", "pagelm.model_loader", "pagelm.executor",
+        "pagelm.distributed",
     ],
     2: [
         "pagelm.plugin_manager", "pagelm.kv_cache", "pagelm.sched", "pagelm.sample", "pagelm.kernels",

@@ -177,6 +177,35 @@ def test_hook_pagelm_register_model_loaders(llama_dir, plugin, tmp_path):
         generate(llama_dir, load_format="no-such-format")
 
 
+def test_hook_pagelm_register_executors(llama_dir, plugin):
+    """A third-party executor: the built-in mp one that also logs each message kind it
+    delivers. distributed_executor_backend selects it, and the ranks it starts serve."""
+    import msgpack
+
+    from pagelm.plugins.executors.mp import MultiprocessingExecutor
+
+    kinds = []
+
+    class LoggingExecutor(MultiprocessingExecutor):
+        name = "logging-mp"
+
+        def send(self, message: bytes) -> None:
+            kinds.append(msgpack.unpackb(message, strict_map_key=False)[0])
+            super().send(message)
+
+    class P:
+        @hookimpl
+        def pagelm_register_executors(self, registry):
+            registry.add("logging-mp", LoggingExecutor)
+
+    plugin(P())
+    llm, outs = generate(llama_dir, tensor_parallel_size=2, distributed_executor_backend="logging-mp")
+    llm.shutdown()
+    _, want = generate(llama_dir)
+    assert outs[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert kinds[0] == "kv_cache" and kinds.count("step") >= PARAMS.max_tokens
+
+
 def test_hook_pagelm_register_cli_commands(plugin, capsys):
     from pagelm.cli import main
 

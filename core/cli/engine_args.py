@@ -32,7 +32,12 @@ _HELP = {
     "max_num_partial_prefills": "most requests with an unfinished prompt per step",
     "scheduling_policy": "registered scheduling policy name (see `pagelm plugins`)",
     "attention_backend": "registered attention backend name (see `pagelm plugins`) or auto",
-    "load_format": "auto, safetensors or dummy (random weights)",
+    "load_format": "a registered model loader: auto, safetensors or dummy (random weights)",
+    "tensor_parallel_size": "ranks that each hold a slice of every layer (one process each)",
+    "pipeline_parallel_size": "pipeline stages (only 1 yet)",
+    "data_parallel_size": "engine replicas (only 1 yet)",
+    "distributed_executor_backend": "how ranks are started: uni (one), mp (local processes), or a registered executor",
+    "distributed_timeout": "seconds a collective may wait for the other ranks before the step fails",
     "enforce_eager": "--enforce-eager: never use CUDA graphs; --no-enforce-eager: require them (unset: when possible)",
     "async_scheduling": "--async-scheduling: schedule the next step while one runs on the device (also on CPU); "
     "--no-async-scheduling: never (unset: with CUDA graphs, without speculative decoding)",

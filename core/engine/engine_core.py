@@ -17,6 +17,7 @@ drafts come from the proposal after the previous step, so that one is finished f
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,17 +25,18 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from pagelm.attention import GraphSupport, attention_layers
-from pagelm.attention.selector import select_attention_backend
+from pagelm.attention import GraphSupport
 from pagelm.config import EngineConfig
+from pagelm.distributed import destroy_distributed, init_distributed
 from pagelm.engine.core_output import EngineCoreOutput
 from pagelm.kv_cache import KVCacheManager, cdiv, make_block_hasher
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.request import Request, RequestStatus
 from pagelm.sched.scheduler import Scheduler
 from pagelm.structured_output import StructuredOutputManager
-from pagelm.worker.model_runner import ModelRunner
+from pagelm.executor import Executor
 from pagelm.worker.pending_step import PendingStep
+from pagelm.worker.worker import encode_scheduler_output, init_message, load_runner, pack
 
 logger = logging.getLogger("pagelm")
 
@@ -67,34 +69,13 @@ class EngineCore:
         self.dtype = config.resolved_dtype(self.hf_config)
         self.max_model_len = self._max_model_len()
         self.vocab_size = self.hf_config.vocab_size
-        model = loader.load(config, self.hf_config, self.device, self.dtype)
-        layers = attention_layers(model)
-        backend_cls = select_attention_backend(
-            config, plugins.attention_backends(), layers[0].spec, self.dtype, self.device
-        )
-        use_cuda_graphs = self._use_cuda_graphs(backend_cls)
-        # A draft model (EAGLE) shares the target's embedding and LM head; its attention
-        # layers get KV caches next to the target's.
-        proposer = None if proposer_cls is None else proposer_cls(config, model, self.device, self.dtype)
-
         self.eos_token_ids = eos_token_ids
-        self.runner = ModelRunner(
-            config, model, backend_cls, self.device, self.dtype, eos_token_ids, self.vocab_size, self.max_model_len
-        )
-        if proposer is not None:
-            self.runner.enable_speculative_decoding(proposer)
-            layers = layers + list(proposer.attention_layers())
-        self.num_kv_blocks = self._num_kv_blocks(layers)
-        if self.num_kv_blocks * config.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {self.num_kv_blocks} blocks x {config.block_size} = "
-                f"{self.num_kv_blocks * config.block_size} tokens, less than one max_model_len="
-                f"{self.max_model_len} sequence; lower max_model_len, raise gpu_memory_utilization "
-                "or num_kv_blocks, or lower max_num_batched_tokens / max_num_seqs (activations)"
-            )
-        self.runner.initialize_kv_cache(self.num_kv_blocks)
-        if use_cuda_graphs:
-            self.runner.capture_cuda_graphs()
+        self.executor = self._start_ranks(plugins, proposer_cls)
+        try:
+            use_cuda_graphs = self._load(proposer_cls)
+        except BaseException:
+            self._stop_ranks()
+            raise
         self.block_hasher = make_block_hasher(config.block_size)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.async_scheduling = self._use_async_scheduling(use_cuda_graphs, proposer_cls)
@@ -119,10 +100,74 @@ class EngineCore:
             "pagelm engine: %s on %s/%s, %d KV blocks of %d tokens, backend=%s, policy=%s, cuda_graphs=%s, "
             "async_scheduling=%s, speculative=%s",
             path.name, self.device, self.dtype, self.num_kv_blocks, config.block_size,
-            backend_cls.name, policy_cls.name, use_cuda_graphs, self.async_scheduling,
+            self.runner.backend.name, policy_cls.name, use_cuda_graphs, self.async_scheduling,
             config.speculative.describe() if config.speculative else "off",
         )
         plugins.notify("pagelm_engine_started", engine=self)
+
+    def _load(self, proposer_cls) -> bool:
+        """The model on every rank, its KV cache sized and allocated, graphs captured;
+        whether CUDA graphs are used."""
+        config = self.config
+        self.runner, layers = load_runner(
+            config, self.hf_config, self.device, self.dtype, self.eos_token_ids, self.max_model_len
+        )
+        use_cuda_graphs = self._use_cuda_graphs(self.runner.backend)
+        # A draft model (EAGLE) shares the target's embedding and LM head; its attention
+        # layers get KV caches next to the target's.
+        if proposer_cls is not None:
+            proposer = proposer_cls(config, self.runner.model, self.device, self.dtype)
+            self.runner.enable_speculative_decoding(proposer)
+            layers = layers + list(proposer.attention_layers())
+        self.num_kv_blocks = self._num_kv_blocks(layers)
+        if self.num_kv_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {self.num_kv_blocks} blocks x {config.block_size} = "
+                f"{self.num_kv_blocks * config.block_size} tokens, less than one max_model_len="
+                f"{self.max_model_len} sequence; lower max_model_len, raise gpu_memory_utilization "
+                "or num_kv_blocks, or lower max_num_batched_tokens / max_num_seqs (activations)"
+            )
+        self._on_other_ranks("kv_cache", self.num_kv_blocks)
+        self.runner.initialize_kv_cache(self.num_kv_blocks)
+        if use_cuda_graphs:
+            self._on_other_ranks("graphs")
+            self.runner.capture_cuda_graphs()
+        return use_cuda_graphs
+
+    def _stop_ranks(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
+            destroy_distributed()
+            self.executor = None
+
+    def _start_ranks(self, plugins, proposer_cls) -> Executor | None:
+        """Under tensor parallelism, the other ranks started by the configured executor and
+        this process joined to them as rank 0 (None: one rank)."""
+        config = self.config
+        executor_cls = plugins.executors().get(config.executor_backend)
+        problems = executor_cls.validate(config)
+        if config.world_size > 1 and proposer_cls is not None:
+            problems.append("speculative decoding does not run under tensor parallelism yet")
+        if config.world_size > 1 and config.async_scheduling:
+            problems.append("async_scheduling does not run under tensor parallelism yet")
+        if problems:
+            raise ValueError(f"distributed_executor_backend={config.executor_backend!r}: " + "; ".join(problems))
+        if config.world_size == 1:
+            return None
+        executor = executor_cls(config)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        executor.start(init_message(config, self.eos_token_ids, self.dtype, self.max_model_len), init_method)
+        try:
+            init_distributed(0, config.world_size, init_method, self.device, config.distributed_timeout)
+        except BaseException:
+            executor.shutdown()
+            raise
+        return executor
+
+    def _on_other_ranks(self, kind: str, *args) -> None:
+        """Have every other rank make the runner call rank 0 makes next (in order)."""
+        if self.executor is not None:
+            self.executor.send(pack(kind, *args))
 
     def _proposer_class(self, plugins):
         """The speculative proposer ``speculative_config`` names, checked (None: off)."""
@@ -193,6 +238,7 @@ class EngineCore:
             # Our share of the card, minus what a worst-case step needs (weights, activations,
             # the sampler's logits: measured by a profiling forward pass), minus memory that
             # is not ours (CUDA context, other processes), minus room for the decode graphs.
+            self._on_other_ranks("profile")
             peak = self.runner.profile_run()
             free, total = torch.cuda.mem_get_info(self.device)
             not_torch = total - free - torch.cuda.memory_reserved(self.device)
@@ -226,6 +272,10 @@ class EngineCore:
             )
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"request {request.request_id}: prompt token ids must be in [0, {self.vocab_size})")
+        if self.executor is not None and request.sampling_params.guided_decoding is not None:
+            raise ValueError(
+                f"request {request.request_id}: guided decoding does not run under tensor parallelism yet"
+            )
         if request.max_tokens is not None and request.max_tokens < 1:
             raise ValueError(f"request {request.request_id}: max_tokens must be >= 1, got {request.max_tokens}")
 
@@ -287,6 +337,8 @@ class EngineCore:
         if self._in_flight is not None:  # its tokens are this step's inputs on the host
             outputs += self._finish(self._in_flight)
             self._in_flight = None
+        if self.executor is not None:
+            self._on_other_ranks("step", encode_scheduler_output(sched_out))
         return outputs + self._finish(self.runner.launch(sched_out))
 
     def _finish(self, pending: PendingStep) -> list[EngineCoreOutput]:
@@ -309,4 +361,12 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.structured_output.shutdown()
+        self._stop_ranks()
         self.plugins.notify("pagelm_engine_shutdown", engine=self)
+
+
+def _free_port() -> int:
+    """A TCP port free on this host now, for the ranks' rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

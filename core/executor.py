@@ -1,0 +1,49 @@
+"""The executor contract: how the ranks beside the engine core's own are started and reached.
+
+Rank 0's model runner lives in the engine core's process, next to the scheduler; it is the
+rank whose sampled ids the engine uses. An executor starts ranks ``1 .. world_size - 1``,
+each running :func:`pagelm.worker.worker.run_worker` (its own model runner over its slice of
+the weights), and delivers to each of them, in order, every message rank 0 sends: the
+runner calls rank 0 makes (KV cache, graphs, each step's ``SchedulerOutput``), encoded with
+msgpack by the core. The ranks' collectives then meet inside the model.
+
+Executors are plugins (``pagelm_register_executors``) selected by
+``distributed_executor_backend``: built in are ``uni`` (one rank, nothing to start) and
+``mp`` (local processes).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from pagelm.config import EngineConfig
+
+
+class Executor(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @classmethod
+    def validate(cls, config: EngineConfig) -> list[str]:
+        """Problems with running ``config`` on this executor (empty: none)."""
+        return []
+
+    @abstractmethod
+    def start(self, init_message: bytes, init_method: str) -> None:
+        """Start every other rank: ``run_worker(init_message, rank, world_size, init_method,
+        recv)``, where ``recv()`` returns the next message for that rank (and raises
+        ``EOFError`` once the executor is gone). Returns without waiting for them: they join
+        rank 0 in ``torch.distributed`` at ``init_method``."""
+
+    @abstractmethod
+    def send(self, message: bytes) -> None:
+        """Deliver ``message`` to every other rank, after the ones sent before; raise
+        ``RuntimeError`` naming a rank that is no longer running."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the other ranks (idempotent)."""

@@ -1,0 +1,130 @@
+"""A rank other than 0 under tensor parallelism: its own model runner over its slice of the
+weights, driven by rank 0's messages (``pagelm.executor``).
+
+Rank 0 sends, in order: ``init`` (the config and what rank 0 decided while loading), then
+``kv_cache`` / ``profile`` / ``graphs`` as it makes those runner calls, then one ``step`` per
+step with the ``SchedulerOutput``, and ``shutdown``. A rank runs each step as rank 0 does
+and samples the same tokens (same logits after the gather, same seeds), which keeps its
+runner's copy of every request's tokens in step; only rank 0's are returned. Messages are
+msgpack, never pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import msgpack
+import torch
+
+from pagelm.attention import attention_layers
+from pagelm.attention.selector import select_attention_backend
+from pagelm.config import EngineConfig
+from pagelm.distributed import destroy_distributed, init_distributed
+from pagelm.plugin_manager import get_plugin_manager
+from pagelm.sampling_params import SamplingParams
+from pagelm.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagelm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagelm")
+
+
+def pack(kind: str, *args) -> bytes:
+    return msgpack.packb([kind, *args])
+
+
+def init_message(config: EngineConfig, eos_token_ids, dtype: torch.dtype, max_model_len: int) -> bytes:
+    return pack("init", dataclasses.asdict(config), sorted(eos_token_ids), str(dtype).removeprefix("torch."), max_model_len)
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank ``r``'s device: ``cuda:r`` on CUDA (rank 0 on the configured one), else the CPU."""
+    device = config.resolved_device()
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def load_runner(config, hf_config, device, dtype, eos_token_ids, max_model_len) -> tuple[ModelRunner, list]:
+    """(runner, attention layers): the model (this rank's slice of it) loaded by the
+    configured loader, its attention backend chosen (every rank chooses the same), in a
+    runner."""
+    plugins = get_plugin_manager()
+    model = plugins.model_loaders().get(config.load_format).load(config, hf_config, device, dtype)
+    layers = attention_layers(model)
+    backend_cls = select_attention_backend(config, plugins.attention_backends(), layers[0].spec, dtype, device)
+    runner = ModelRunner(config, model, backend_cls, device, dtype, eos_token_ids, hf_config.vocab_size, max_model_len)
+    return runner, layers
+
+
+def run_worker(message: bytes, rank: int, world_size: int, init_method: str, recv: Callable[[], bytes]) -> None:
+    """A rank's whole life: join the group, load, then serve rank 0's messages until
+    ``shutdown`` (or until ``recv`` raises ``EOFError``: rank 0 is gone)."""
+    from transformers import AutoConfig
+
+    _, config_data, eos, dtype, max_model_len = msgpack.unpackb(message)
+    config = EngineConfig(**config_data)
+    device = rank_device(config, rank)
+    init_distributed(rank, world_size, init_method, device, config.distributed_timeout)
+    try:
+        hf_config = AutoConfig.from_pretrained(config.model)
+        runner, _ = load_runner(config, hf_config, device, getattr(torch, dtype), frozenset(eos), max_model_len)
+        while True:
+            try:
+                kind, *args = msgpack.unpackb(recv(), strict_map_key=False)
+            except EOFError:
+                return
+            if kind == "shutdown":
+                return
+            if kind == "step":
+                runner.finish(runner.launch(decode_scheduler_output(args[0])))
+            elif kind == "kv_cache":
+                runner.initialize_kv_cache(args[0])
+            elif kind == "profile":
+                runner.profile_run()
+            elif kind == "graphs":
+                runner.capture_cuda_graphs()
+            else:
+                raise ValueError(f"rank {rank}: unknown message {kind!r}")
+    except Exception:
+        logger.exception("pagelm rank %d failed; it stops (rank 0's collectives will time out)", rank)
+        raise
+    finally:
+        destroy_distributed()
+
+
+# ---- SchedulerOutput on the wire ------------------------------------------------------------
+
+
+def _params(p: SamplingParams) -> dict:
+    data = dataclasses.asdict(p)
+    del data["all_stop_token_ids"]  # derived again on the other side
+    return data
+
+
+def encode_scheduler_output(s: SchedulerOutput) -> list:
+    """Plain data for msgpack. Guided and speculative steps are not sent: tensor parallelism
+    runs neither yet (the engine refuses them at start-up and admission)."""
+    assert s.grammar_bitmask is None and not s.scheduled_spec_decode_tokens
+    return [
+        [[r.req_id, r.prompt_token_ids, r.output_token_ids, _params(r.sampling_params), r.block_ids,
+          r.num_computed_tokens, r.need_prompt_logprobs] for r in s.scheduled_new_reqs],
+        [[r.req_id, r.new_block_ids, r.num_computed_tokens] for r in s.scheduled_cached_reqs],
+        list(s.num_scheduled_tokens.items()), s.total_num_scheduled_tokens,
+        sorted(s.finished_req_ids), sorted(s.preempted_req_ids), s.needs_previous_tokens,
+    ]
+
+
+def decode_scheduler_output(data: list) -> SchedulerOutput:
+    new, cached, num_scheduled, total, finished, preempted, needs_previous = data
+    return SchedulerOutput(
+        scheduled_new_reqs=[
+            NewRequestData(req_id, prompt, output, SamplingParams(**params), blocks, computed, prompt_lp)
+            for req_id, prompt, output, params, blocks, computed, prompt_lp in new
+        ],
+        scheduled_cached_reqs=[CachedRequestData(*r) for r in cached],
+        num_scheduled_tokens=dict(num_scheduled),
+        total_num_scheduled_tokens=total,
+        finished_req_ids=set(finished),
+        preempted_req_ids=set(preempted),
+        needs_previous_tokens=needs_previous,
+    )
