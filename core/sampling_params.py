@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json as _json
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,6 +187,13 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
+
+    def to_wire(self) -> dict:
+        """Plain data for msgpack (another process, another rank); ``SamplingParams(**d)``
+        rebuilds it. ``all_stop_token_ids`` is derived from ``stop_token_ids`` there again."""
+        data = dataclasses.asdict(self)
+        del data["all_stop_token_ids"]
+        return data
 
 
 def _check_extra_args(extra_args: Any) -> None:

@@ -140,10 +140,8 @@ def _error_output(request_id: str, error: str) -> EngineCoreOutput:
 
 
 def encode_request(req: Request) -> list:
-    params = dataclasses.asdict(req.sampling_params)
-    del params["all_stop_token_ids"]  # derived from stop_token_ids again on the other side
     return [
-        req.request_id, req.prompt_token_ids, params, list(req.eos_token_ids),
+        req.request_id, req.prompt_token_ids, req.sampling_params.to_wire(), list(req.eos_token_ids),
         req.arrival_time, req.priority, req.cache_salt, req.max_tokens,
     ]
 

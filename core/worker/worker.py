@@ -95,18 +95,12 @@ def run_worker(message: bytes, rank: int, world_size: int, init_method: str, rec
 # ---- SchedulerOutput on the wire ------------------------------------------------------------
 
 
-def _params(p: SamplingParams) -> dict:
-    data = dataclasses.asdict(p)
-    del data["all_stop_token_ids"]  # derived again on the other side
-    return data
-
-
 def encode_scheduler_output(s: SchedulerOutput) -> list:
     """Plain data for msgpack. Guided and speculative steps are not sent: tensor parallelism
     runs neither yet (the engine refuses them at start-up and admission)."""
     assert s.grammar_bitmask is None and not s.scheduled_spec_decode_tokens
     return [
-        [[r.req_id, r.prompt_token_ids, r.output_token_ids, _params(r.sampling_params), r.block_ids,
+        [[r.req_id, r.prompt_token_ids, r.output_token_ids, r.sampling_params.to_wire(), r.block_ids,
           r.num_computed_tokens, r.need_prompt_logprobs] for r in s.scheduled_new_reqs],
         [[r.req_id, r.new_block_ids, r.num_computed_tokens] for r in s.scheduled_cached_reqs],
         list(s.num_scheduled_tokens.items()), s.total_num_scheduled_tokens,
