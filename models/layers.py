@@ -273,12 +273,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The LM head, split over the vocabulary as the embedding is: each rank's logits for its
     rows, gathered (and the padding cut) into the full vocabulary on every rank."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:
-        super().__init__(vocab_size, hidden_size)
-        self.bias = None
-
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = ops.linear(hidden_states, self.weight, self.bias)
+        logits = ops.linear(hidden_states, self.weight, None)
         if parallel_state().tp_size == 1:
             return logits
         return all_gather(logits, dim=-1)[..., : self.vocab_size]

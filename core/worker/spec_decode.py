@@ -378,9 +378,6 @@ def first_token_index(step, counts: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
 
 
-    return host_sync_point()
-
-
 class _Length:
     """Stands in for an output history whose tokens nobody reads: its length only."""
 
