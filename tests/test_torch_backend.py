@@ -92,3 +92,22 @@ def test_sliding_window_masks_old_keys():
 
 def test_block_boundary_lengths():
     run_paged([(15, 1), (16, 1), (0, 16), (0, 17)], num_heads=2, num_kv_heads=1, head_dim=8, block_size=16)
+
+
+def test_sliding_window_in_decode_rows():
+    run_paged([(12, 1), (3, 1), (30, 1), (0, 9)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, window=5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mixed_batches(seed):
+    """Decodes, fresh prompts and chunks after a cached prefix in one step, in random order
+    (the backend batches the decodes and loops over the rest)."""
+    rng = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(int(torch.randint(1, 9, (1,), generator=rng))):
+        kind = int(torch.randint(0, 3, (1,), generator=rng))
+        cached = int(torch.randint(1, 40, (1,), generator=rng))
+        new = int(torch.randint(2, 20, (1,), generator=rng))
+        rows.append([(cached, 1), (0, new), (cached, new)][kind])
+    window = [None, 7][seed % 2]
+    run_paged(rows, num_heads=6, num_kv_heads=2, head_dim=8, block_size=4, window=window, seed=seed)

@@ -1,8 +1,19 @@
-"""The reference attention backend: plain torch, CPU and CUDA, one request at a time.
+"""The ``torch`` attention backend: plain torch on CPU and CUDA, the CPU's default.
 
-Every other backend is tested against this one, so it favours obviousness over speed: K/V
-are scattered into the paged cache through ``slot_mapping``, then each request gathers its
-blocks through its ``block_table`` row and runs masked attention in float32.
+Every other backend is tested against it, and it is tested against dense causal attention
+(``tests/test_torch_backend.py``). It is also what every CPU user and CI runs, so the work of a
+step is laid out once in the metadata builder, and each layer then makes a few large torch
+calls rather than a loop of small ones per request:
+
+* **decode rows** (one query token each) attend together in one
+  ``scaled_dot_product_attention`` call over their blocks gathered with one ``index_select``
+  (a padded ``[batch, kv_heads, blocks * block_size, head_dim]`` view; a boolean mask hides
+  the padding). Grouped-query heads share their K/V through ``enable_gqa``, never copied.
+* **prefill rows** (several query tokens) run one call each: a prompt with nothing cached
+  attends over the step's own keys with ``is_causal`` (torch's fast kernel, no mask); a
+  chunk after a cached prefix gathers its blocks and passes the offset causal mask.
+
+Attention runs in float32, as the reference always has (a no-op for float32 models).
 """
 
 from __future__ import annotations
@@ -22,20 +33,62 @@ from pagelm.attention import (
 
 
 @dataclass
+class DecodeRows:
+    """The step's one-token requests, batched: which tokens they are (None: tokens
+    ``0..n-1``, the whole step), their blocks flattened row by row, and which of the padded
+    key positions each may see."""
+
+    token_index: torch.Tensor | None  # [n] int64
+    block_ids: torch.Tensor  # [n * blocks_per_row] int64
+    blocks_per_row: int
+    seq_lens: torch.Tensor  # [n] int64, on the block table's device
+
+
+@dataclass
+class PrefillRow:
+    """One request with several query tokens: ``start:end`` in the step, ``seq_len`` with
+    what it had cached, and its blocks (None: nothing cached, attend over the step's keys)."""
+
+    start: int
+    end: int
+    seq_len: int
+    block_ids: torch.Tensor | None
+
+
+@dataclass
 class TorchAttentionMetadata:
     common: CommonAttentionMetadata
-    # Host copies as Python ints: the per-request loop below must not sync on every layer.
-    query_start_loc: list[int]
-    seq_lens: list[int]
+    decode: DecodeRows | None
+    prefills: list[PrefillRow]
 
 
 class TorchMetadataBuilder(AttentionMetadataBuilder):
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
-        return TorchAttentionMetadata(
-            common=common,
-            query_start_loc=common.query_start_loc_cpu.tolist(),
-            seq_lens=common.seq_lens_cpu.tolist(),
-        )
+        # Host copies as Python ints, read once per step: no layer syncs on the device.
+        qsl = common.query_start_loc_cpu.tolist()
+        seq_lens = common.seq_lens_cpu.tolist()
+        block_size = common.block_size
+        decodes, prefills = [], []
+        for i in range(common.num_reqs):
+            start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
+            if end - start == 1:
+                decodes.append(i)
+            elif end > start:
+                cached = seq_len > end - start
+                blocks = common.block_table[i, : -(-seq_len // block_size)].long() if cached else None
+                prefills.append(PrefillRow(start, end, seq_len, blocks))
+        decode = None
+        if decodes:
+            width = -(-max(seq_lens[i] for i in decodes) // block_size)
+            rows = torch.tensor(decodes, device=common.block_table.device)
+            all_tokens = len(decodes) == common.num_actual_tokens
+            decode = DecodeRows(
+                token_index=None if all_tokens else torch.tensor([qsl[i] for i in decodes], device=rows.device),
+                block_ids=common.block_table[rows, :width].long().flatten(),
+                blocks_per_row=width,
+                seq_lens=torch.tensor([seq_lens[i] for i in decodes], device=rows.device),
+            )
+        return TorchAttentionMetadata(common, decode, prefills)
 
 
 class TorchAttentionImpl(AttentionImpl):
@@ -46,34 +99,75 @@ class TorchAttentionImpl(AttentionImpl):
         key = key[:num_tokens].view(-1, spec.num_kv_heads, spec.head_dim)
         value = value[:num_tokens].view(-1, spec.num_kv_heads, spec.head_dim)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        block_size = key_cache.shape[1]
         slots = common.slot_mapping[:num_tokens]
         key_cache.view(-1, spec.num_kv_heads, spec.head_dim).index_copy_(0, slots, key)
         value_cache.view(-1, spec.num_kv_heads, spec.head_dim).index_copy_(0, slots, value)
 
         query = query.view(-1, spec.num_heads, spec.head_dim)
         out = torch.empty_like(query)
-        group = spec.num_heads // spec.num_kv_heads
-        qsl, seq_lens = metadata.query_start_loc, metadata.seq_lens
-        for i in range(common.num_reqs):
-            start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
-            if end == start:
-                continue
-            num_blocks = -(-seq_len // block_size)
-            blocks = common.block_table[i, :num_blocks].long()
-            k = key_cache[blocks].reshape(-1, spec.num_kv_heads, spec.head_dim)[:seq_len]
-            v = value_cache[blocks].reshape(-1, spec.num_kv_heads, spec.head_dim)[:seq_len]
-            q = query[start:end]
-            mask = _causal_mask(end - start, seq_len, spec.sliding_window, q.device)
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1).float(),
-                k.transpose(0, 1).repeat_interleave(group, dim=0).float(),
-                v.transpose(0, 1).repeat_interleave(group, dim=0).float(),
-                attn_mask=mask,
-                scale=spec.scale,
-            )
-            out[start:end] = o.transpose(0, 1).to(out.dtype)
+        if metadata.decode is not None:
+            rows = metadata.decode
+            n = rows.seq_lens.shape[0]
+            q = query[:n] if rows.token_index is None else query.index_select(0, rows.token_index)
+            o = self._decode(q, key_cache, value_cache, rows)
+            if rows.token_index is None:
+                out[:n] = o
+            else:
+                out.index_copy_(0, rows.token_index, o)
+        for row in metadata.prefills:
+            q = query[row.start : row.end]
+            if row.block_ids is None:
+                k, v = key[row.start : row.end], value[row.start : row.end]
+            else:
+                k = _gather(key_cache, row.block_ids)[: row.seq_len]
+                v = _gather(value_cache, row.block_ids)[: row.seq_len]
+            out[row.start : row.end] = self._prefill(q, k, v, row.seq_len)
         return out.view(-1, spec.num_heads * spec.head_dim)
+
+    def _decode(self, q, key_cache, value_cache, rows: DecodeRows) -> torch.Tensor:
+        """``q`` [n, heads, dim] -> [n, heads, dim], each row over its own padded blocks."""
+        spec = self.spec
+        n, width = q.shape[0], rows.blocks_per_row * key_cache.shape[1]
+        k = _gather(key_cache, rows.block_ids).view(n, width, spec.num_kv_heads, spec.head_dim)
+        v = _gather(value_cache, rows.block_ids).view(n, width, spec.num_kv_heads, spec.head_dim)
+        k_pos = torch.arange(width, device=q.device)[None, :]
+        visible = k_pos < rows.seq_lens[:, None]
+        if spec.sliding_window is not None:
+            visible &= k_pos >= rows.seq_lens[:, None] - spec.sliding_window
+        o = F.scaled_dot_product_attention(
+            q[:, :, None].float(),
+            k.transpose(1, 2).float(),
+            v.transpose(1, 2).float(),
+            attn_mask=visible[:, None, None, :],
+            scale=spec.scale,
+            enable_gqa=spec.num_heads != spec.num_kv_heads,
+        )
+        return o[:, :, 0].to(q.dtype)
+
+    def _prefill(self, q, k, v, seq_len: int) -> torch.Tensor:
+        """One request's ``q`` [L, heads, dim], the last ``L`` of its ``seq_len`` positions,
+        over its keys ``k``/``v`` [seq_len, kv_heads, dim]."""
+        spec = self.spec
+        query_len = q.shape[0]
+        mask = None
+        if query_len != seq_len or spec.sliding_window is not None:
+            mask = _causal_mask(query_len, seq_len, spec.sliding_window, q.device)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).float(),
+            k.transpose(0, 1).float(),
+            v.transpose(0, 1).float(),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=spec.scale,
+            enable_gqa=spec.num_heads != spec.num_kv_heads,
+        )
+        return o.transpose(0, 1).to(q.dtype)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """``cache``'s blocks ``block_ids`` as one ``[len * block_size, kv_heads, dim]`` tensor
+    (``index_select``: several times faster on the CPU than indexing with a tensor)."""
+    return cache.index_select(0, block_ids).flatten(0, 1)
 
 
 def _causal_mask(query_len: int, seq_len: int, sliding_window: int | None, device) -> torch.Tensor:
