@@ -1,109 +1,252 @@
-"""Prometheus metrics for the async engine, with vLLM's names under ``pagelm:``, and the
-periodic one-line stats log.
+"""Prometheus metrics for the async engine under vLLM's names, types, labels and buckets
+(``vllm:*``, labels ``model_name`` and ``engine``), so that dashboards, alerts and
+autoscalers written for vLLM work unchanged; metrics only pagelm has stay ``pagelm:*``. Plus
+the process and Python GC collectors, and the periodic one-line stats log.
 
-Gauges and counters are updated once per engine step from ``SchedulerStats`` (totals kept by
-the engine core); histograms once per finished request, from its ``RequestMetrics``.
+Gauges and counters are updated once per engine step from ``SchedulerStats`` (totals the
+engine core keeps) and the step's ``IterationStats`` (what its outputs did, gathered by the
+output processor in the API process); request histograms once per finished request.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector
+from prometheus_client import ProcessCollector
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
+from pagelm.config import EngineConfig
 from pagelm.engine.core_loop import SchedulerStats
-from pagelm.engine.core_output import EngineCoreOutput
-from pagelm.outputs import RequestOutput
+from pagelm.engine.iteration_stats import FinishedRequestStats, IterationStats
 
 logger = logging.getLogger("pagelm")
 
-_LATENCY_BUCKETS = [
+# vLLM V1's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = [
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ]
-_ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+TOKEN_LATENCY_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]
+REQUEST_LATENCY_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+    960.0, 1920.0, 7680.0,
+]
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+N_BUCKETS = [1, 2, 5, 10, 20]
+FINISH_REASONS = ("stop", "length", "abort", "error")
+LABELS = ["model_name", "engine"]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return buckets
+            buckets.append(m * scale)
+        scale *= 10
+
+
+def cache_config_info(config: EngineConfig, num_gpu_blocks: int) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info``: vLLM's CacheConfig field names, for the
+    fields pagelm has (the KV cache is in the model's dtype: vLLM's ``auto``)."""
+    return {
+        "block_size": str(config.block_size),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "gpu_memory_utilization": str(config.gpu_memory_utilization),
+        "num_gpu_blocks": str(num_gpu_blocks),
+        "num_gpu_blocks_override": str(config.num_kv_blocks),
+        "prefix_caching_hash_algo": "sha256",
+    }
+
+
+class TokenLatencyHistogram(Collector):
+    """A histogram observed once per output token: bucket counts kept in a list and found by
+    ``bisect`` (about 0.1 us a value, where ``Histogram.observe`` takes its lock and walks the
+    buckets in 1.5 us). Exposed under each of ``names``, which share the observations. Only
+    the API process's event loop observes it."""
+
+    def __init__(self, names: dict[str, str], buckets: list[float], label_values: list[str]) -> None:
+        self.names, self.bounds, self.label_values = names, buckets, label_values
+        self.counts = [0] * (len(buckets) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        bounds, counts, total = self.bounds, self.counts, 0.0
+        for v in values:
+            counts[bisect_left(bounds, v)] += 1  # the first bound >= v: Prometheus' le
+            total += v
+        self.sum += total
+
+    def describe(self) -> Iterator[Metric]:
+        for name, doc in self.names.items():
+            yield HistogramMetricFamily(name, doc, labels=LABELS)
+
+    def collect(self) -> Iterator[Metric]:
+        cumulative, running = [], 0
+        for bound, count in zip([*self.bounds, float("inf")], self.counts):
+            running += count
+            cumulative.append((floatToGoString(bound), running))
+        for name, doc in self.names.items():
+            family = HistogramMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(self.label_values, cumulative, self.sum)
+            yield family
 
 
 class EngineMetrics:
     """One registry per engine, so several engines (tests) can live in one process."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
+    def __init__(
+        self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None,
+        cache_info: dict[str, str] | None = None,
+    ) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        self.label_values = values = [model_name, "0"]  # one engine core: engine "0"
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"pagelm:{name}", doc, labels, registry=r).labels(model_name)
+            return Gauge(name, doc, LABELS, registry=r).labels(*values)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"pagelm:{name}", doc, labels, registry=r).labels(model_name)
+            return Counter(name, doc, LABELS, registry=r).labels(*values)
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(f"pagelm:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*values)
 
-        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
-        self.num_free_kv_blocks = gauge("num_free_kv_blocks", "Free KV cache blocks.")
-        self.num_kv_blocks = gauge("num_kv_blocks", "KV cache blocks in total.")
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed) by the scheduler.")
-        self.plugin_errors = counter("plugin_errors", "Exceptions raised by plugins' lifecycle hooks (caught and logged).")
-        self.engine_restarts = counter("engine_restarts", "Engine cores started in place of a dead one.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        # Speculative decoding, vLLM's names: mean acceptance length = 1 + accepted / drafts.
-        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Speculative verification rounds.")
-        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
-        self.spec_decode_num_accepted_tokens = counter(
-            "spec_decode_num_accepted_tokens", "Draft tokens accepted by the target."
+        # Scheduler and KV cache state.
+        self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage_perc = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        # vLLM's name before 0.9, still what its example Grafana dashboard plots.
+        self.gpu_cache_usage_perc = gauge(
+            "vllm:gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
         )
-        self._spec_accepted_per_pos = Counter(
-            "pagelm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
-            ["model_name", "position"], registry=r,
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
-        self._request_success = Counter(
-            "pagelm:request_success", "Requests finished, by finish reason (stop, length, abort).",
-            ["model_name", "finished_reason"], registry=r,
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self._cache_config_info = Gauge(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+            [*(cache_info or {}), "engine"], registry=r,
         )
-        self._model_name = model_name
+        self.set_cache_config_info(cache_info or {})
+        # Tokens and requests.
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self._request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                        [*LABELS, "finished_reason"], registry=r)
+        for reason in FINISH_REASONS:  # every reason from the start, so that increase() sees the first one
+            self._request_success.labels(*values, reason)
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.request_prefill_kv_computed_tokens = histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).", token_buckets,
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS
+        )
+        self.request_max_num_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", token_buckets,
+        )
+        self.request_params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
+        )
+        # Latencies.
         self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "Arrival to first output token.", _LATENCY_BUCKETS
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds",
-            "Mean gap between a request's output tokens (one observation per finished request).",
-            _ITL_BUCKETS,
+        self.inter_token_latency = TokenLatencyHistogram({
+            "vllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
+            # vLLM's name for the same observations until 0.11 (and in its example dashboard).
+            "vllm:time_per_output_token_seconds":
+                "Histogram of time per output token in seconds.DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+        }, TOKEN_LATENCY_BUCKETS, values)
+        r.register(self.inter_token_latency)
+        self.request_time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS,
         )
-        self.e2e_request_latency = histogram(
-            "e2e_request_latency_seconds", "Arrival to last output token.", _LATENCY_BUCKETS
+        def request_phase(name: str, doc: str) -> Histogram:
+            return histogram(f"vllm:{name}", doc, REQUEST_LATENCY_BUCKETS)
+
+        self.e2e_request_latency = request_phase("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.")
+        self.request_queue_time = request_phase(
+            "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."
         )
-        self.request_queue_time = histogram(
-            "request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS
+        self.request_inference_time = request_phase(
+            "request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request."
         )
+        self.request_prefill_time = request_phase(
+            "request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."
+        )
+        self.request_decode_time = request_phase(
+            "request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."
+        )
+        # Speculative decoding: mean acceptance length = 1 + accepted / drafts.
+        self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                          [*LABELS, "position"], registry=r)
+        self._spec_accepted_per_pos = lambda pos: per_pos.labels(*values, str(pos))
+        # pagelm's own.
+        self.num_free_kv_blocks = gauge("pagelm:num_free_kv_blocks", "Free KV cache blocks.")
+        self.num_kv_blocks = gauge("pagelm:num_kv_blocks", "KV cache blocks in total.")
+        self.plugin_errors = counter(
+            "pagelm:plugin_errors", "Exceptions raised by plugins' lifecycle hooks (caught and logged)."
+        )
+        self.engine_restarts = counter("pagelm:engine_restarts", "Engine cores started in place of a dead one.")
         self._last = SchedulerStats()
         # Plain totals for the stats log (prometheus values are not meant to be read back).
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
 
+    def set_cache_config_info(self, info: dict[str, str]) -> None:
+        """(Re)state the cache configuration: a fresh engine core may have another block count."""
+        self._cache_config_info.clear()
+        self._cache_config_info.labels(**info, engine=self.label_values[1]).set(1)
+
     def engine_restarted(self, stats: SchedulerStats) -> None:
         """A fresh engine core: its counters start from zero again."""
         self.engine_restarts.inc()
         self._last = stats
-        self.record_step(stats, [], [])
+        self.record_step(stats)
 
-    def request_finished(self, reason: str) -> None:
-        self._request_success.labels(self._model_name, reason).inc()
+    def request_finished(self, reason: str, count: int = 1) -> None:
+        """``count`` requests ended with ``reason``; those aborted by their client end outside
+        the output processor and come here directly."""
+        self._request_success.labels(*self.label_values, reason).inc(count)
 
-    def record_step(
-        self, stats: SchedulerStats, outputs: list[EngineCoreOutput], results: list[RequestOutput]
-    ) -> int:
-        """Fold one engine step in; returns the number of tokens it generated."""
+    def record_step(self, stats: SchedulerStats, step: IterationStats | None = None) -> None:
+        """Fold one engine step in: the engine core's state after it, and what its outputs did."""
         last, self._last = self._last, stats
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.gpu_cache_usage_perc.set(stats.kv_cache_usage)
         self.num_free_kv_blocks.set(stats.num_free_blocks)
         self.num_kv_blocks.set(stats.num_kv_blocks)
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
@@ -112,13 +255,43 @@ class EngineMetrics:
         self.plugin_errors.inc(stats.num_plugin_errors - last.num_plugin_errors)
         if stats.spec_num_drafts != last.spec_num_drafts:
             self._record_spec_decode(stats, last)
-        generated = sum(len(o.new_token_ids) for o in outputs)
-        self.generation_tokens.inc(generated)
-        self.total_generation_tokens += generated
-        for out in results:
-            if out.finished:
-                self._request_done(out)
-        return generated
+        if step is not None:
+            self._record_iteration(step)
+
+    def _record_iteration(self, step: IterationStats) -> None:
+        self.prompt_tokens.inc(step.num_prompt_tokens)
+        self.prompt_tokens_cached.inc(step.num_cached_prompt_tokens)
+        self.generation_tokens.inc(step.num_generation_tokens)
+        self.total_prompt_tokens += step.num_prompt_tokens
+        self.total_generation_tokens += step.num_generation_tokens
+        if step.num_prompt_tokens or step.num_generation_tokens:
+            self.iteration_tokens.observe(step.num_prompt_tokens + step.num_generation_tokens)
+        for ttft in step.time_to_first_tokens:
+            self.time_to_first_token.observe(ttft)
+        if step.inter_token_latencies:
+            self.inter_token_latency.observe_many(step.inter_token_latencies)
+        for n in step.n_params:
+            self.request_params_n.observe(n)
+        for tokens in step.max_num_generation_tokens:
+            self.request_max_num_generation_tokens.observe(tokens)
+        for finished in step.finished_requests:
+            self._request_done(finished)
+
+    def _request_done(self, f: FinishedRequestStats) -> None:
+        self.request_finished(f.finish_reason)
+        self.request_prompt_tokens.observe(f.num_prompt_tokens)
+        self.request_generation_tokens.observe(f.num_generation_tokens)
+        if f.max_tokens_param:
+            self.request_params_max_tokens.observe(f.max_tokens_param)
+        self.e2e_request_latency.observe(f.e2e_latency)
+        if f.queued_time is None:  # failed before its first token: no phases to time
+            return
+        self.request_prefill_kv_computed_tokens.observe(max(0, f.num_prompt_tokens - f.num_cached_tokens))
+        self.request_queue_time.observe(f.queued_time)
+        self.request_prefill_time.observe(f.prefill_time)
+        self.request_decode_time.observe(f.decode_time)
+        self.request_inference_time.observe(f.inference_time)
+        self.request_time_per_output_token.observe(f.mean_time_per_output_token)
 
     def _record_spec_decode(self, stats: SchedulerStats, last: SchedulerStats) -> None:
         self.spec_decode_num_drafts.inc(stats.spec_num_drafts - last.spec_num_drafts)
@@ -128,24 +301,7 @@ class EngineMetrics:
         for pos, total in enumerate(stats.spec_num_accepted_tokens_per_pos):
             delta = total - (before[pos] if pos < len(before) else 0)
             if delta:
-                self._spec_accepted_per_pos.labels(self._model_name, str(pos)).inc(delta)
-
-    def _request_done(self, out: RequestOutput) -> None:
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.total_prompt_tokens += len(out.prompt_token_ids)
-        self.request_finished(out.outputs[-1].finish_reason or "abort")
-        m = out.metrics
-        if m is None or m.first_token_time is None:
-            return
-        self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
-        if m.finished_time is not None:
-            self.e2e_request_latency.observe(m.finished_time - m.arrival_time)
-        if m.first_scheduled_time is not None:
-            self.request_queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-        if m.num_generation_tokens > 1 and m.last_token_time is not None:
-            self.inter_token_latency.observe(
-                (m.last_token_time - m.first_token_time) / (m.num_generation_tokens - 1)
-            )
+                self._spec_accepted_per_pos(pos).inc(delta)
 
 
 class StatsLogger:

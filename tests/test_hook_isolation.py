@@ -59,7 +59,7 @@ def test_a_raising_lifecycle_hook_fails_nobody(llama_dir, plugins, caplog):
 
 
 def test_plugin_errors_reach_the_metrics():
-    metrics = EngineMetrics("m", CollectorRegistry())
-    metrics.record_step(SchedulerStats(num_plugin_errors=2), [], [])
-    metrics.record_step(SchedulerStats(num_plugin_errors=5), [], [])
-    assert metrics.registry.get_sample_value("pagelm:plugin_errors_total", {"model_name": "m"}) == 5
+    metrics = EngineMetrics("m", 512, CollectorRegistry())
+    metrics.record_step(SchedulerStats(num_plugin_errors=2))
+    metrics.record_step(SchedulerStats(num_plugin_errors=5))
+    assert metrics.registry.get_sample_value("pagelm:plugin_errors_total", {"model_name": "m", "engine": "0"}) == 5

@@ -1,63 +1,191 @@
-"""Prometheus metrics from engine steps, and the periodic stats log line."""
+"""Prometheus metrics from engine steps under vLLM's names, the per-step stats the output
+processor gathers for them, and the periodic stats log line."""
 
 import logging
 
-from prometheus_client import generate_latest
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagelm.engine.core_loop import SchedulerStats
 from pagelm.engine.core_output import EngineCoreOutput
-from pagelm.metrics import EngineMetrics, StatsLogger
-from pagelm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagelm.engine.iteration_stats import FinishedRequestStats, IterationStats
+from pagelm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest, RequestState
+from pagelm.metrics import (
+    TOKEN_LATENCY_BUCKETS,
+    EngineMetrics,
+    StatsLogger,
+    TokenLatencyHistogram,
+    build_1_2_5_buckets,
+)
+from pagelm.outputs import RequestMetrics
+from pagelm.sampling_params import SamplingParams
 
 
 def samples(m: EngineMetrics) -> dict[str, float]:
+    """Samples by name (+ finished_reason), buckets left out; every one labelled with the model
+    and engine 0."""
     text = generate_latest(m.registry).decode()
-    return {
-        s.name + ("" if "finished_reason" not in s.labels else f"[{s.labels['finished_reason']}]"): s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if "le" not in s.labels
-    }
+    out = {}
+    for f in text_string_to_metric_families(text):
+        for s in f.samples:
+            if "le" in s.labels or not (s.name.startswith("vllm:") or s.name.startswith("pagelm:")):
+                continue
+            if "finished_reason" not in s.labels and s.name != "vllm:cache_config_info":
+                assert s.labels == {"model_name": "tiny", "engine": "0"}, s
+            reason = s.labels.get("finished_reason")
+            out[s.name + (f"[{reason}]" if reason else "")] = s.value
+    return out
 
 
-def finished_output(n_tokens: int) -> RequestOutput:
-    metrics = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0,
-                             last_token_time=13.0, finished_time=13.0, num_generation_tokens=n_tokens)
-    return RequestOutput("r", None, [1, 2, 3], None, [CompletionOutput(0, "t", [4] * n_tokens, None, None, "length")],
-                         True, metrics)
+def finished(n_tokens: int, reason: str = "length") -> FinishedRequestStats:
+    m = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0,
+                       last_token_time=13.0, finished_time=13.0, num_generation_tokens=n_tokens)
+    return FinishedRequestStats.of(m, reason, num_prompt_tokens=3, num_cached_tokens=1, max_tokens_param=8, now=13.25)
 
 
-def test_step_updates_gauges_and_counter_deltas():
-    m = EngineMetrics("tiny")
+def test_finished_request_splits_its_timeline_into_vllms_phases():
+    f = finished(5)
+    assert (f.e2e_latency, f.queued_time, f.prefill_time, f.decode_time, f.inference_time) == (3.25, 0.5, 0.5, 2.0, 2.5)
+    assert f.mean_time_per_output_token == 0.5  # 2 s over the 4 tokens after the first
+    assert finished(1).mean_time_per_output_token == 0.0
+
+
+def test_a_request_that_failed_before_its_first_token_has_no_phases():
+    m = RequestMetrics(arrival_time=10.0, num_generation_tokens=0)
+    f = FinishedRequestStats.of(m, "error", 3, 0, None, now=10.5)
+    assert f.e2e_latency == 0.5 and f.queued_time is None and f.mean_time_per_output_token is None
+
+
+def test_step_updates_gauges_counters_and_request_histograms():
+    m = EngineMetrics("tiny", 512)
     stats = SchedulerStats(num_running=3, num_waiting=2, num_free_blocks=6, num_kv_blocks=8,
                            prefix_cache_queries=40, prefix_cache_hits=16, num_preemptions=1)
-    outs = [EngineCoreOutput("a", [1]), EngineCoreOutput("b", [2, 3])]
-    assert m.record_step(stats, outs, []) == 3
+    step = IterationStats()
+    step.observe_tokens(1, None, now=11.0, arrival_time=10.0, num_prompt_tokens=3, num_cached_tokens=1)
+    step.observe_tokens(2, 11.0, now=11.25, arrival_time=10.0, num_prompt_tokens=3, num_cached_tokens=1)
+    m.record_step(stats, step)
     later = SchedulerStats(num_running=1, num_waiting=0, num_free_blocks=8, num_kv_blocks=8,
                            prefix_cache_queries=50, prefix_cache_hits=16, num_preemptions=1)
-    m.record_step(later, [EngineCoreOutput("a", [5])], [finished_output(5)])
+    done = IterationStats(num_generation_tokens=1, finished_requests=[finished(4)], n_params=[1],
+                          max_num_generation_tokens=[4])
+    m.record_step(later, done)
     s = samples(m)
-    assert s["pagelm:num_requests_running"] == 1 and s["pagelm:num_requests_waiting"] == 0
-    assert s["pagelm:kv_cache_usage_perc"] == 0.0 and s["pagelm:num_free_kv_blocks"] == 8
-    assert s["pagelm:prefix_cache_queries_total"] == 50 and s["pagelm:prefix_cache_hits_total"] == 16
-    assert s["pagelm:num_preemptions_total"] == 1
-    assert s["pagelm:generation_tokens_total"] == 4 and s["pagelm:prompt_tokens_total"] == 3
-    assert s["pagelm:request_success_total[length]"] == 1
-    assert s["pagelm:time_to_first_token_seconds_sum"] == 1.0
-    assert s["pagelm:e2e_request_latency_seconds_sum"] == 3.0
-    assert s["pagelm:request_queue_time_seconds_sum"] == 0.5
-    assert s["pagelm:inter_token_latency_seconds_sum"] == 0.5  # 2 s over 4 gaps
+    assert s["vllm:num_requests_running"] == 1 and s["vllm:num_requests_waiting"] == 0
+    assert s["vllm:kv_cache_usage_perc"] == 0.0 == s["vllm:gpu_cache_usage_perc"]
+    assert s["pagelm:num_free_kv_blocks"] == 8 and s["pagelm:num_kv_blocks"] == 8
+    assert s["vllm:prefix_cache_queries_total"] == 50 and s["vllm:prefix_cache_hits_total"] == 16
+    assert s["vllm:num_preemptions_total"] == 1
+    assert s["vllm:generation_tokens_total"] == 4 and s["vllm:prompt_tokens_total"] == 3
+    assert s["vllm:prompt_tokens_cached_total"] == 1
+    assert s["vllm:iteration_tokens_total_count"] == 2 and s["vllm:iteration_tokens_total_sum"] == 7  # 3+3, then 1
+    assert s["vllm:request_success_total[length]"] == 1
+    assert s["vllm:request_success_total[stop]"] == 0 == s["vllm:request_success_total[abort]"]  # there from the start
+    assert s["vllm:time_to_first_token_seconds_sum"] == 1.0
+    assert s["vllm:inter_token_latency_seconds_count"] == 1 and s["vllm:inter_token_latency_seconds_sum"] == 0.25
+    assert s["vllm:time_per_output_token_seconds_sum"] == 0.25  # vLLM's older name: the same observations
+    assert s["vllm:e2e_request_latency_seconds_sum"] == 3.25
+    assert s["vllm:request_queue_time_seconds_sum"] == 0.5
+    assert s["vllm:request_prefill_time_seconds_sum"] == 0.5
+    assert s["vllm:request_decode_time_seconds_sum"] == 2.0
+    assert s["vllm:request_inference_time_seconds_sum"] == 2.5
+    assert s["vllm:request_time_per_output_token_seconds_sum"] == pytest.approx(2 / 3)  # 2 s over 3 gaps
+    assert s["vllm:request_prompt_tokens_sum"] == 3 and s["vllm:request_generation_tokens_sum"] == 4
+    assert s["vllm:request_prefill_kv_computed_tokens_sum"] == 2  # 3 prompt tokens, 1 cached
+    assert s["vllm:request_params_max_tokens_sum"] == 8 and s["vllm:request_params_n_sum"] == 1
+    assert s["vllm:request_max_num_generation_tokens_sum"] == 4
+
+
+def test_token_count_buckets_are_vllms_1_2_5_series():
+    assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert build_1_2_5_buckets(512) == [1, 2, 5, 10, 20, 50, 100, 200, 500]
+
+
+def test_token_latency_histogram_buckets_as_prometheus_client_does():
+    values = [0.0, 0.01, 0.0100001, 0.3, 0.31, 80.0, 81.0, 1e9]
+    ours = TokenLatencyHistogram({"ours": "d"}, TOKEN_LATENCY_BUCKETS, ["tiny", "0"])
+    ours.observe_many(values[:3])
+    ours.observe_many(values[3:])
+    registry = CollectorRegistry()
+    registry.register(ours)
+    reference = Histogram("ref", "d", ["model_name", "engine"], buckets=TOKEN_LATENCY_BUCKETS, registry=registry)
+    for v in values:
+        reference.labels("tiny", "0").observe(v)
+    text = generate_latest(registry).decode()
+    by_name = {f.name: {(s.name.rsplit("_", 1)[1], s.labels.get("le")): s.value for s in f.samples
+                        if not s.name.endswith("_created")}
+               for f in text_string_to_metric_families(text)}
+    assert by_name["ours"] == by_name["ref"]
+    assert by_name["ours"][("bucket", "0.01")] == 2 and by_name["ours"][("bucket", "+Inf")] == 8
+
+
+def state(request_id="r", parent=None, index=0, prompt=(1, 2, 3)) -> RequestState:
+    return RequestState(request_id, None, list(prompt), SamplingParams(max_tokens=8), None, OutputKind.DELTA,
+                        arrival_time=0.0, parent=parent, index=index)
+
+
+def test_output_processor_observes_one_inter_token_latency_per_output():
+    processor = OutputProcessor()
+    processor.add_request(state())
+    steps = [IterationStats() for _ in range(5)]
+    for i, step in enumerate(steps):
+        out = EngineCoreOutput("r", [10 + i], num_cached_tokens=1, finish_reason="length" if i == 4 else None)
+        processor.process_outputs([out], step)
+    assert steps[0].num_prompt_tokens == 3 and steps[0].num_cached_prompt_tokens == 1
+    assert len(steps[0].time_to_first_tokens) == 1 and steps[0].inter_token_latencies == []
+    gaps = [g for step in steps for g in step.inter_token_latencies]
+    assert len(gaps) == 4 and sum(step.num_prompt_tokens for step in steps) == 3
+    [done] = steps[4].finished_requests
+    assert sum(gaps) == pytest.approx(done.decode_time, abs=1e-9)
+    assert done.num_generation_tokens == 5 and done.finish_reason == "length" and done.max_tokens_param == 8
+    assert steps[4].n_params == [1] and steps[4].max_num_generation_tokens == [5]
+
+
+def test_n_samples_count_as_requests_and_their_n_once():
+    processor = OutputProcessor()
+    parent = ParentRequest("p", 2)
+    processor.add_request(state("0_p", parent, 0))
+    processor.add_request(state("1_p", parent, 1))
+    first, second = IterationStats(), IterationStats()
+    processor.process_outputs([EngineCoreOutput("0_p", [5, 6, 7], finish_reason="stop"),
+                               EngineCoreOutput("1_p", [5])], first)
+    processor.process_outputs([EngineCoreOutput("1_p", [8], finish_reason="length")], second)
+    assert len(first.finished_requests) == 1 and first.n_params == []
+    assert [f.finish_reason for f in second.finished_requests] == ["length"]
+    assert second.n_params == [2] and second.max_num_generation_tokens == [3]
+
+
+def test_offline_processing_gathers_nothing():
+    processor = OutputProcessor()
+    processor.add_request(state())
+    results, _ = processor.process_outputs([EngineCoreOutput("r", [1], finish_reason="length")])
+    assert results[0].finished  # no stats object: nothing to fill
+
+
+def test_cache_config_info_is_a_gauge_of_one_with_the_config_as_labels():
+    m = EngineMetrics("tiny", 512, cache_info={"block_size": "16", "num_gpu_blocks": "8"})
+    m.set_cache_config_info({"block_size": "16", "num_gpu_blocks": "12"})  # a restarted core
+    [family] = [f for f in text_string_to_metric_families(generate_latest(m.registry).decode())
+                if f.name == "vllm:cache_config_info"]
+    assert [(s.labels, s.value) for s in family.samples] == [
+        ({"block_size": "16", "num_gpu_blocks": "12", "engine": "0"}, 1.0)
+    ]
+
+
+def test_process_and_gc_collectors_are_registered():
+    m = EngineMetrics("tiny", 512)
+    names = {f.name for f in text_string_to_metric_families(generate_latest(m.registry).decode())}
+    assert {"process_resident_memory_bytes", "process_cpu_seconds", "python_gc_collections", "python_info"} <= names
 
 
 def test_stats_log_line_only_when_busy(caplog):
-    m = EngineMetrics("tiny")
+    m = EngineMetrics("tiny", 512)
     log = StatsLogger(m)
     with caplog.at_level(logging.INFO, logger="pagelm"):
         log.log(SchedulerStats(num_kv_blocks=8, num_free_blocks=8))
         assert caplog.records == []
         busy = SchedulerStats(num_running=2, num_kv_blocks=8, num_free_blocks=4)
-        m.record_step(busy, [EngineCoreOutput("a", [1, 2])], [])
+        m.record_step(busy, IterationStats(num_generation_tokens=2))
         log.log(busy)
     [record] = caplog.records
     line = record.getMessage()

@@ -80,12 +80,12 @@ def client(server):
 
 
 def metrics(server) -> dict[str, float]:
-    """Samples by name (+ labels other than model_name)."""
+    """Samples by name (+ labels other than model_name and engine)."""
     text = httpx.get(f"{server}/metrics", headers=AUTH).text
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "le"))
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine", "le"))
             if "le" in s.labels:
                 continue
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
@@ -347,16 +347,17 @@ def test_metrics_counters_move(client, server):
     before = metrics(server)
     client.completions.create(model=MODEL, prompt="count me " * 5, max_tokens=4, extra_body={"ignore_eos": True})
     after = metrics(server)
-    assert after["pagelm:generation_tokens_total"] - before["pagelm:generation_tokens_total"] == 4
-    assert after["pagelm:prompt_tokens_total"] > before["pagelm:prompt_tokens_total"]
-    assert after["pagelm:prefix_cache_queries_total"] > before["pagelm:prefix_cache_queries_total"]
-    length = "pagelm:request_success_total{finished_reason=length}"
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 4
+    assert after["vllm:prompt_tokens_total"] > before["vllm:prompt_tokens_total"]
+    assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
+    length = "vllm:request_success_total{finished_reason=length}"
     assert after[length] == before.get(length, 0) + 1
-    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-              "inter_token_latency_seconds"):
-        assert after[f"pagelm:{h}_count"] == before[f"pagelm:{h}_count"] + 1, h
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert after[f"vllm:{h}_count"] == before[f"vllm:{h}_count"] + 1, h
+    # One inter-token latency per token after the first.
+    assert after["vllm:inter_token_latency_seconds_count"] == before["vllm:inter_token_latency_seconds_count"] + 3
     for g in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total"):
-        assert f"pagelm:{g}" in after
+        assert f"vllm:{g}" in after
     assert after["pagelm:num_free_kv_blocks"] == after["pagelm:num_kv_blocks"] == 512
 
 
@@ -376,10 +377,10 @@ def test_client_disconnect_mid_stream_frees_the_blocks(server):
         assert metrics(server)["pagelm:num_free_kv_blocks"] < 512
         for s in streams:
             s.__exit__(None, None, None)  # hang up mid-stream
-    abort = "pagelm:request_success_total{finished_reason=abort}"
+    abort = "vllm:request_success_total{finished_reason=abort}"
     assert wait_for(lambda: metrics(server).get(abort, 0) == before.get(abort, 0) + 4)
     assert wait_for(lambda: metrics(server)["pagelm:num_free_kv_blocks"] == 512)
-    generated = metrics(server)["pagelm:generation_tokens_total"] - before["pagelm:generation_tokens_total"]
+    generated = metrics(server)["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert generated < 4 * 480
 
 
@@ -388,8 +389,8 @@ def test_client_that_gives_up_on_a_non_streamed_request_aborts_it(server):
     body = {"model": MODEL, "prompt": "patience", "max_tokens": 480, "n": 2, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.2)
-    abort = "pagelm:request_success_total{finished_reason=abort}"
-    assert wait_for(lambda: metrics(server).get(abort, 0) == before.get(abort, 0) + 1)
+    abort = "vllm:request_success_total{finished_reason=abort}"
+    assert wait_for(lambda: metrics(server).get(abort, 0) == before.get(abort, 0) + 2)  # each sample, as vLLM
     assert wait_for(lambda: metrics(server)["pagelm:num_free_kv_blocks"] == 512)
 
 
@@ -550,7 +551,7 @@ def test_a_streamed_chat_sends_its_first_chunk_with_the_first_token(client, serv
             first_chunk_s = time.perf_counter() - start
             assert chunk.choices[0].delta.role == "assistant"
     after = metrics(server)
-    name = "pagelm:time_to_first_token_seconds_sum"
+    name = "vllm:time_to_first_token_seconds_sum"
     server_ttft = after[name] - before[name]
     assert server_ttft > 0.05 and first_chunk_s >= server_ttft, (first_chunk_s, server_ttft)
 

@@ -182,17 +182,17 @@ def test_speculative_config_is_a_json_flag():
 
 
 def test_prometheus_exposes_acceptance_counters():
-    m = EngineMetrics("tiny")
+    m = EngineMetrics("tiny", 512)
     m.record_step(SchedulerStats(num_kv_blocks=8, spec_num_drafts=2, spec_num_draft_tokens=6,
-                                 spec_num_accepted_tokens=3, spec_num_accepted_tokens_per_pos=[2, 1, 0]), [], [])
+                                 spec_num_accepted_tokens=3, spec_num_accepted_tokens_per_pos=[2, 1, 0]))
     m.record_step(SchedulerStats(num_kv_blocks=8, spec_num_drafts=3, spec_num_draft_tokens=9,
-                                 spec_num_accepted_tokens=5, spec_num_accepted_tokens_per_pos=[3, 2, 0]), [], [])
+                                 spec_num_accepted_tokens=5, spec_num_accepted_tokens_per_pos=[3, 2, 0]))
     text = generate_latest(m.registry).decode()
     samples = {(s.name, s.labels.get("position")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
-    assert samples[("pagelm:spec_decode_num_drafts_total", None)] == 3
-    assert samples[("pagelm:spec_decode_num_draft_tokens_total", None)] == 9
-    assert samples[("pagelm:spec_decode_num_accepted_tokens_total", None)] == 5
-    assert samples[("pagelm:spec_decode_num_accepted_tokens_per_pos_total", "1")] == 2
+    assert samples[("vllm:spec_decode_num_drafts_total", None)] == 3
+    assert samples[("vllm:spec_decode_num_draft_tokens_total", None)] == 9
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", None)] == 5
+    assert samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", "1")] == 2
 
 
 class RepeatLastToken(Proposer):

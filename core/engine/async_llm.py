@@ -23,9 +23,10 @@ from pagelm.engine.core_client import EngineDeadError, EngineShuttingDown, Inpro
 from pagelm.engine.core_loop import SchedulerStats
 from pagelm.engine.core_output import ENGINE_FAULT, EngineStepError
 from pagelm.engine.input_processor import ProcessedRequest, PromptType
+from pagelm.engine.iteration_stats import IterationStats
 from pagelm.engine.llm_engine import LLMEngine
 from pagelm.engine.output_processor import OutputKind
-from pagelm.metrics import EngineMetrics, StatsLogger
+from pagelm.metrics import EngineMetrics, StatsLogger, cache_config_info
 from pagelm.outputs import RequestOutput
 from pagelm.sampling_params import SamplingParams
 
@@ -107,9 +108,11 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.model_name = model_name or config.model
-        self.metrics = EngineMetrics(self.model_name)
+        self.metrics = EngineMetrics(
+            self.model_name, self.max_model_len, cache_info=cache_config_info(config, self.core.num_kv_blocks)
+        )
         self.stats = SchedulerStats(num_free_blocks=self.core.num_kv_blocks, num_kv_blocks=self.core.num_kv_blocks)
-        self.metrics.record_step(self.stats, [], [])
+        self.metrics.record_step(self.stats)
         self.log_stats_interval = log_stats_interval
         self.dead_error: EngineDeadError | None = None
         # A dead engine core is replaced (its requests fail) up to this many times.
@@ -214,7 +217,7 @@ class AsyncLLM:
         live = [i for i in processor.expand_ids([request_id]) if i in processor.states]
         if live:  # else it has finished already
             self.engine.abort_request(live)
-            self.metrics.request_finished("abort")
+            self.metrics.request_finished("abort", len(live))  # each sample is a request, as in vLLM
 
     # ---- the output side ------------------------------------------------------------------
     async def _output_loop(self) -> None:
@@ -222,7 +225,8 @@ class AsyncLLM:
         try:
             while True:
                 step = await self.core.get_output()
-                results, stopped = processor.process_outputs(step.outputs)
+                iteration = IterationStats()
+                results, stopped = processor.process_outputs(step.outputs, iteration)
                 if stopped:
                     self.core.finish_by_stop_string(stopped)
                 streams = self._streams
@@ -231,7 +235,7 @@ class AsyncLLM:
                     if stream is not None:
                         stream.put(out)
                 self.stats = step.stats
-                self.metrics.record_step(step.stats, step.outputs, results)
+                self.metrics.record_step(step.stats, iteration)
         except asyncio.CancelledError:
             raise
         except EngineDeadError as exc:
@@ -258,6 +262,7 @@ class AsyncLLM:
             self.dead_error = EngineDeadError(f"the engine core could not be restarted: {exc}")
             return
         self.stats = SchedulerStats(num_free_blocks=self.core.num_kv_blocks, num_kv_blocks=self.core.num_kv_blocks)
+        self.metrics.set_cache_config_info(cache_config_info(self.config, self.core.num_kv_blocks))
         self.metrics.engine_restarted(self.stats)
         self.dead_error = None
         self._tasks.append(asyncio.create_task(self._output_loop(), name="pagelm-output-loop"))

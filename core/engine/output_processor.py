@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pagelm.engine.core_output import EngineCoreOutput
 from pagelm.engine.detokenizer import IncrementalDetokenizer
+from pagelm.engine.iteration_stats import FinishedRequestStats, IterationStats
 from pagelm.outputs import (
     CompletionOutput,
     Logprob,
@@ -35,6 +36,8 @@ class ParentRequest:
     n: int
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
     num_finished: int = 0
+    # The longest sample so far (vLLM's request_max_num_generation_tokens).
+    max_num_generation_tokens: int = 0
 
 
 class RequestState:
@@ -200,10 +203,10 @@ class OutputProcessor:
                 self._forget(state)
 
     def process_outputs(
-        self, outputs: list[EngineCoreOutput]
+        self, outputs: list[EngineCoreOutput], stats: IterationStats | None = None
     ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the user-facing outputs and the ids the engine core must abort because a
-        stop string ended them here."""
+        stop string ended them here. ``stats`` (when given) gathers the step for the metrics."""
         now = time.time()
         results: list[RequestOutput] = []
         to_abort: list[str] = []
@@ -211,6 +214,7 @@ class OutputProcessor:
             state = self.states.get(out.request_id)
             if state is None:
                 continue
+            previous_token_time = state.metrics.last_token_time
             if state.apply(out, now) is not None and not out.finished:
                 to_abort.append(out.request_id)
             finished = state.finish_reason is not None
@@ -219,6 +223,8 @@ class OutputProcessor:
             result = self._make_output(state, finished)
             if result is not None:
                 results.append(result)
+            if stats is not None:
+                _observe(stats, state, out, previous_token_time, now, finished)
         return results, to_abort
 
     def _make_output(self, state: RequestState, finished: bool) -> RequestOutput | None:
@@ -249,3 +255,27 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             error=state.error,
         )
+
+
+def _observe(stats: IterationStats, state: RequestState, out: EngineCoreOutput,
+             previous_token_time: float | None, now: float, finished: bool) -> None:
+    """Fold one request's output into the step's stats (after ``_make_output``, which counts
+    the finished samples of an ``n > 1`` request)."""
+    m = state.metrics
+    if out.new_token_ids:
+        stats.observe_tokens(len(out.new_token_ids), previous_token_time, now, m.arrival_time,
+                             len(state.prompt_token_ids), out.num_cached_tokens)
+    if not finished:
+        return
+    stats.finished_requests.append(FinishedRequestStats.of(
+        m, state.finish_reason, len(state.prompt_token_ids), state.num_cached_tokens, state.params.max_tokens, now,
+    ))
+    parent = state.parent
+    if parent is None:
+        stats.n_params.append(1)
+        stats.max_num_generation_tokens.append(m.num_generation_tokens)
+        return
+    parent.max_num_generation_tokens = max(parent.max_num_generation_tokens, m.num_generation_tokens)
+    if parent.num_finished == parent.n:
+        stats.n_params.append(parent.n)
+        stats.max_num_generation_tokens.append(parent.max_num_generation_tokens)
