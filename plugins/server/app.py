@@ -17,6 +17,7 @@ import pagelm
 from pagelm.engine.async_llm import AsyncLLM
 from pagelm.plugins.server import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagelm.plugins.server.errors import APIError, install_error_handlers
+from pagelm.plugins.server.http_metrics import HTTPMetrics, HTTPMetricsMiddleware
 from pagelm.plugins.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -59,8 +60,10 @@ def build_app(
     app.state.engine = engine
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
-    if api_key:  # added last: it runs first, so that no unauthenticated body is read
+    if api_key:  # added late: it runs early, so that no unauthenticated body is read
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    # Outermost: it times and counts every request, the refused ones too.
+    app.add_middleware(HTTPMetricsMiddleware, metrics=HTTPMetrics(engine.metrics.registry))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
