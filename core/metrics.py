@@ -110,22 +110,31 @@ class EngineMetrics:
         self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None,
         cache_info: dict[str, str] | None = None,
     ) -> None:
-        self.registry = r = registry or CollectorRegistry()
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
-        GCCollector(registry=r)
-        self.label_values = values = [model_name, "0"]  # one engine core: engine "0"
+        self.registry = registry or CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.label_values = [model_name, "0"]  # one engine core: engine "0"
+        self._define_state_metrics(cache_info or {})
+        self._define_token_metrics(build_1_2_5_buckets(max_model_len))
+        self._define_latency_metrics()
+        self._last = SchedulerStats()
+        # Plain totals for the stats log (prometheus values are not meant to be read back).
+        self.total_prompt_tokens = 0
+        self.total_generation_tokens = 0
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, LABELS, registry=r).labels(*values)
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, LABELS, registry=self.registry).labels(*self.label_values)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, LABELS, registry=r).labels(*values)
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, LABELS, registry=self.registry).labels(*self.label_values)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*values)
+    def _histogram(self, name: str, doc: str, buckets: list[float]) -> Histogram:
+        return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*self.label_values)
 
-        # Scheduler and KV cache state.
+    def _define_state_metrics(self, cache_info: dict[str, str]) -> None:
+        """The scheduler and KV cache after each step, and pagelm's own engine metrics."""
+        gauge, counter = self._gauge, self._counter
         self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_cache_usage_perc = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
@@ -137,32 +146,58 @@ class EngineMetrics:
         self.prefix_cache_queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self._cache_config_info = Gauge(
-            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-            [*(cache_info or {}), "engine"], registry=r,
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", [*cache_info, "engine"],
+            registry=self.registry,
         )
-        self.set_cache_config_info(cache_info or {})
-        # Tokens and requests.
+        self.set_cache_config_info(cache_info)
+        # Speculative decoding: mean acceptance length = 1 + accepted / drafts.
+        self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_decode_num_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        self._spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            [*LABELS, "position"], registry=self.registry,
+        )
+        self.num_free_kv_blocks = gauge("pagelm:num_free_kv_blocks", "Free KV cache blocks.")
+        self.num_kv_blocks = gauge("pagelm:num_kv_blocks", "KV cache blocks in total.")
+        self.plugin_errors = counter(
+            "pagelm:plugin_errors", "Exceptions raised by plugins' lifecycle hooks (caught and logged)."
+        )
+        self.engine_restarts = counter("pagelm:engine_restarts", "Engine cores started in place of a dead one.")
+
+    def _define_token_metrics(self, token_buckets: list[int]) -> None:
+        """Token counts, per step and per request, and requests by how they finished."""
+        counter, histogram = self._counter, self._histogram
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).")
+        self.prompt_tokens_cached = counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        )
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self._request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                        [*LABELS, "finished_reason"], registry=r)
+        self._request_success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.", [*LABELS, "finished_reason"],
+            registry=self.registry,
+        )
         for reason in FINISH_REASONS:  # every reason from the start, so that increase() sees the first one
-            self._request_success.labels(*values, reason)
-        token_buckets = build_1_2_5_buckets(max_model_len)
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+            self._request_success.labels(*self.label_values, reason)
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS
+        )
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
         self.request_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
         )
         self.request_prefill_kv_computed_tokens = histogram(
             "vllm:request_prefill_kv_computed_tokens",
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).", token_buckets,
-        )
-        self.iteration_tokens = histogram(
-            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS
         )
         self.request_max_num_generation_tokens = histogram(
             "vllm:request_max_num_generation_tokens",
@@ -172,57 +207,41 @@ class EngineMetrics:
         self.request_params_max_tokens = histogram(
             "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
         )
-        # Latencies.
+
+    def _define_latency_metrics(self) -> None:
+        """Time to first token, between tokens, and each phase of a request."""
+        histogram = self._histogram
         self.time_to_first_token = histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
         self.inter_token_latency = TokenLatencyHistogram({
             "vllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
             # vLLM's name for the same observations until 0.11 (and in its example dashboard).
-            "vllm:time_per_output_token_seconds":
-                "Histogram of time per output token in seconds.DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
-        }, TOKEN_LATENCY_BUCKETS, values)
-        r.register(self.inter_token_latency)
+            "vllm:time_per_output_token_seconds": "Histogram of time per output token in seconds."
+                                                  "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+        }, TOKEN_LATENCY_BUCKETS, self.label_values)
+        self.registry.register(self.inter_token_latency)
         self.request_time_per_output_token = histogram(
             "vllm:request_time_per_output_token_seconds",
             "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS,
         )
-        def request_phase(name: str, doc: str) -> Histogram:
+
+        def phase(name: str, doc: str) -> Histogram:
             return histogram(f"vllm:{name}", doc, REQUEST_LATENCY_BUCKETS)
 
-        self.e2e_request_latency = request_phase("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.")
-        self.request_queue_time = request_phase(
+        self.e2e_request_latency = phase("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.")
+        self.request_queue_time = phase(
             "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."
         )
-        self.request_inference_time = request_phase(
+        self.request_inference_time = phase(
             "request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request."
         )
-        self.request_prefill_time = request_phase(
+        self.request_prefill_time = phase(
             "request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."
         )
-        self.request_decode_time = request_phase(
+        self.request_decode_time = phase(
             "request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."
         )
-        # Speculative decoding: mean acceptance length = 1 + accepted / drafts.
-        self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
-        self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
-        self.spec_decode_num_accepted_tokens = counter(
-            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
-        )
-        per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
-                          [*LABELS, "position"], registry=r)
-        self._spec_accepted_per_pos = lambda pos: per_pos.labels(*values, str(pos))
-        # pagelm's own.
-        self.num_free_kv_blocks = gauge("pagelm:num_free_kv_blocks", "Free KV cache blocks.")
-        self.num_kv_blocks = gauge("pagelm:num_kv_blocks", "KV cache blocks in total.")
-        self.plugin_errors = counter(
-            "pagelm:plugin_errors", "Exceptions raised by plugins' lifecycle hooks (caught and logged)."
-        )
-        self.engine_restarts = counter("pagelm:engine_restarts", "Engine cores started in place of a dead one.")
-        self._last = SchedulerStats()
-        # Plain totals for the stats log (prometheus values are not meant to be read back).
-        self.total_prompt_tokens = 0
-        self.total_generation_tokens = 0
 
     def set_cache_config_info(self, info: dict[str, str]) -> None:
         """(Re)state the cache configuration: a fresh engine core may have another block count."""
@@ -301,7 +320,7 @@ class EngineMetrics:
         for pos, total in enumerate(stats.spec_num_accepted_tokens_per_pos):
             delta = total - (before[pos] if pos < len(before) else 0)
             if delta:
-                self._spec_accepted_per_pos(pos).inc(delta)
+                self._spec_accepted_per_pos.labels(*self.label_values, str(pos)).inc(delta)
 
 
 class StatsLogger:
