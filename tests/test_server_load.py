@@ -128,12 +128,12 @@ def test_a_thousand_concurrent_streams_round_after_round(server):
         assert all(len(s) == 1 for s in ids) and len(set().union(*ids)) == CLIENTS  # none mixed, none shared
         assert wait_for(lambda: metrics(server)["pagelm:num_free_kv_blocks"] == NUM_BLOCKS)
         after = metrics(server)
-        assert after["pagelm:num_requests_running"] == after["pagelm:num_requests_waiting"] == 0
+        assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
         memory.append(rss_bytes(pid))
-    served = after["pagelm:request_success_total{finished_reason=length}"]
-    served -= before.get("pagelm:request_success_total{finished_reason=length}", 0)
+    served = after["vllm:request_success_total{finished_reason=length}"]
+    served -= before.get("vllm:request_success_total{finished_reason=length}", 0)
     assert served == ROUNDS * CLIENTS
-    assert after["pagelm:generation_tokens_total"] - before["pagelm:generation_tokens_total"] == ROUNDS * CLIENTS * MAX_TOKENS
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == ROUNDS * CLIENTS * MAX_TOKENS
     print(f"rounds of {CLIENTS} streams: {[round(s, 1) for s in seconds]} s; server RSS {[m >> 20 for m in memory]} MiB")
     # The first round warms every pool and cache up; later rounds must not keep growing.
     growth = memory[-1] - memory[0]
@@ -156,11 +156,11 @@ def test_a_disconnect_storm_leaves_nothing_running(server):
             return await asyncio.gather(*(drop(i) for i in range(storm)))
 
     assert all(asyncio.run(main()))
-    abort = "pagelm:request_success_total{finished_reason=abort}"
+    abort = "vllm:request_success_total{finished_reason=abort}"
     assert wait_for(lambda: metrics(server).get(abort, 0) - before.get(abort, 0) == storm, timeout=60)
     assert wait_for(lambda: metrics(server)["pagelm:num_free_kv_blocks"] == NUM_BLOCKS, timeout=30)
     after = metrics(server)
-    assert after["pagelm:num_requests_running"] == after["pagelm:num_requests_waiting"] == 0
+    assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
     # The server serves on: a normal request right after.
     r = httpx.post(f"{server}/v1/completions", headers=AUTH, timeout=60,
                    json={"model": MODEL, "prompt": "after", "max_tokens": 3, "ignore_eos": True})
