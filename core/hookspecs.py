@@ -69,6 +69,13 @@ def pagelm_register_executors(registry: "Registry") -> None:
 
 
 @hookspec
+def pagelm_register_tool_parsers(registry: "Registry") -> None:
+    """Add ``ToolParser`` subclasses (``pagelm.tool_parser``): how the OpenAI server finds
+    tool calls in a model's text; ``registry.add(name, parser_cls)``, the name is what
+    ``pagelm serve --tool-call-parser`` selects (built in: ``hermes``, ``llama3_json``)."""
+
+
+@hookspec
 def pagelm_register_kernels(registry: "Registry") -> None:
     """Name the fused kernels behind the core's ops, sampler and decode graphs:
     ``registry.add("rms_norm", "pkg.module:function")``. The reference is imported on first

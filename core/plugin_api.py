@@ -28,7 +28,9 @@ from typing import Any
 # ProposalBatch.extra_args.
 # 2.2 added the pagelm_register_model_loaders hook (ModelLoader, keyed by load_format) and
 # the pagelm_register_executors hook (Executor, keyed by distributed_executor_backend).
-PLUGIN_API_VERSION = "2.2"
+# 2.3 added the pagelm_register_tool_parsers hook (ToolParser, keyed by the server's
+# --tool-call-parser).
+PLUGIN_API_VERSION = "2.3"
 PLUGIN_API_ATTRIBUTE = "PAGELM_PLUGIN_API"
 
 _VERSION_RE = re.compile(r"^(\d+)(?:\.(\d+))?$")

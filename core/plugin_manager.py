@@ -211,6 +211,9 @@ class PluginManager:
     def executors(self) -> Registry:
         return self._collect("executor")
 
+    def tool_parsers(self) -> Registry:
+        return self._collect("tool call parser")
+
     def cli_commands(self) -> Registry:
         return self._collect("cli command")
 
@@ -255,6 +258,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
     from pagelm.sched.policy import SchedulingPolicy
     from pagelm.spec_decode.proposer import Proposer
     from pagelm.structured_output.backend import StructuredOutputBackend
+    from pagelm.tool_parser import ToolParser
 
     return {
         "attention backend": ("pagelm_register_attention_backends", AttentionBackend),
@@ -264,6 +268,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
         "model architecture": ("pagelm_register_models", None),
         "model loader": ("pagelm_register_model_loaders", ModelLoader),
         "executor": ("pagelm_register_executors", Executor),
+        "tool call parser": ("pagelm_register_tool_parsers", ToolParser),
         "cli command": ("pagelm_register_cli_commands", None),
         "kernel": ("pagelm_register_kernels", None),
     }

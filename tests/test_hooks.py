@@ -206,6 +206,69 @@ def test_hook_pagelm_register_executors(llama_dir, plugin):
     assert kinds[0] == "kv_cache" and kinds.count("step") >= PARAMS.max_tokens
 
 
+class CallLines:
+    """A third-party tool-call format: one ``CALL <name> <arguments JSON>`` line per call."""
+
+    @staticmethod
+    def parser_class():
+        from pagelm.tool_parser import StreamDelta, ToolCallDelta, ToolParser, make_tool_call_id
+
+        class CallLinesParser(ToolParser):
+            name = "call_lines"
+
+            def __init__(self, tokenizer, tools):
+                super().__init__(tokenizer, tools)
+                self.lines_sent = self.num_calls = 0
+
+            def extract_tool_calls_streaming(self, previous_text, delta_text, finished):
+                lines = (previous_text + delta_text).split("\n")
+                complete = lines if finished else lines[:-1]  # a line is whole once its newline came
+                out = StreamDelta()
+                for i in range(self.lines_sent, len(complete)):
+                    if complete[i].startswith("CALL "):
+                        name, _, arguments = complete[i][5:].partition(" ")
+                        out.tool_calls.append(ToolCallDelta(self.num_calls, make_tool_call_id(), name, arguments))
+                        self.num_calls += 1
+                    else:
+                        out.content += complete[i] + ("\n" if i < len(lines) - 1 else "")
+                self.lines_sent = len(complete)
+                return out
+
+        return CallLinesParser
+
+
+def test_hook_pagelm_register_tool_parsers(plugin):
+    """A third-party tool-call parser: the conformance kit passes it, the server's
+    --tool-call-parser finds it by name, and an auto request's output becomes its calls."""
+    from pagelm.plugins.server.protocol import ChatCompletionRequest
+    from pagelm.plugins.server.tools import ToolCalling
+    from pagelm.testing.conformance import check_tool_parser
+
+    parser_cls = CallLines.parser_class()
+
+    class P:
+        @hookimpl
+        def pagelm_register_tool_parsers(self, registry):
+            registry.add(parser_cls.name, parser_cls)
+
+    plugin(P())
+    (whole,) = check_tool_parser("call_lines", ['Checking.\nCALL get_weather {"city": "Paris"}\n'])
+    assert whole.content == "Checking.\n" and [(c.name, c.arguments) for c in whole.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    req = ChatCompletionRequest.model_validate_json(json.dumps({
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+    }))
+    tools = ToolCalling(None, "call_lines", enable_auto_tool_choice=True).prepare(req)
+    message, finish_reason = tools.message('CALL get_weather {"city": "Paris"}', "stop")
+    assert finish_reason == "tool_calls" and message.content is None
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+    assert set(get_plugin_manager().tool_parsers().names()) == {"call_lines", "hermes", "llama3_json"}
+    with pytest.raises(UnknownNameError, match="tool call parser 'no-such-format'.*call_lines"):
+        ToolCalling(None, "no-such-format")
+
+
 def test_hook_pagelm_register_cli_commands(plugin, capsys):
     from pagelm.cli import main
 

@@ -29,6 +29,10 @@ blocks, and (with ``model_dir``) greedy generation equal to the reference backen
 Speculative proposers (``check_proposer``): the class is a registered ``Proposer`` whose
 ``validate`` returns strings, and (with ``model_dir``) greedy generation with it, under
 chunked prefill, prefix caching and preemption, equals generation without speculation.
+
+Tool-call parsers (``check_tool_parser``): for each model output you give, the streamed
+deltas add up to the whole-text result however the output is cut: one character at a time,
+and in two pieces at every character boundary; each call's first delta has an id and a name.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from pagelm.sched.policy import SchedulingPolicy
 from pagelm.sched.request_queue import RequestQueue
 from pagelm.sched.scheduler import Scheduler
 from pagelm.spec_decode import Proposer
+from pagelm.tool_parser import ExtractedToolCalls, StreamDelta, ToolParser, accumulate
 from pagelm.worker.output import ModelRunnerOutput
 
 __all__ = [
@@ -61,6 +66,7 @@ __all__ = [
     "check_proposer",
     "check_proposer_engine",
     "check_scheduling_policy",
+    "check_tool_parser",
     "paged_metadata",
 ]
 
@@ -562,6 +568,57 @@ def check_proposer_engine(
         "num_accepted_tokens": stats.num_accepted_tokens,
         "mean_acceptance_length": stats.mean_acceptance_length,
     }
+
+
+# =============================================================================================
+# tool-call parsers
+# =============================================================================================
+
+
+def check_tool_parser(
+    name: str, outputs: list[str], tokenizer: Any = None, tools: list[dict[str, Any]] | None = None
+) -> list[ExtractedToolCalls]:
+    """``name`` is a registered ``ToolParser``, and for every output in ``outputs`` (write
+    real ones of your format, malformed and cut-off ones too) its streamed deltas add up to
+    ``extract_tool_calls`` of the whole text, whichever way the text is cut. Returns the
+    whole-text results, for your own assertions on them."""
+    cls = get_plugin_manager().tool_parsers().get(name)
+    assert isinstance(cls, type) and issubclass(cls, ToolParser), f"{name!r} is not a ToolParser"
+    assert cls.name == name, f"tool parser registered as {name!r} but its name attribute is {cls.name!r}"
+    tools = tools or []
+    results = []
+    for text in outputs:
+        whole = cls(tokenizer, tools).extract_tool_calls(text)
+        cuts = [list(text) + [""]] + [[text[:i], text[i:]] for i in range(len(text) + 1)]
+        for pieces in cuts:
+            streamed = _stream_tool_parser(cls(tokenizer, tools), pieces)
+            assert _calls_key(streamed) == _calls_key(whole), (
+                f"{name}: streaming {text!r} in pieces {pieces if len(pieces) == 2 else 'of one character'} "
+                f"gives {_calls_key(streamed)}, the whole text gives {_calls_key(whole)}"
+            )
+        results.append(whole)
+    return results
+
+
+def _stream_tool_parser(parser: ToolParser, pieces: list[str]) -> ExtractedToolCalls:
+    deltas: list[StreamDelta] = []
+    previous = ""
+    for i, piece in enumerate(pieces):
+        delta = parser.extract_tool_calls_streaming(previous, piece, i == len(pieces) - 1)
+        assert isinstance(delta, StreamDelta), f"{parser.name}: streaming must return a StreamDelta, got {delta!r}"
+        deltas.append(delta)
+        previous += piece
+    first = {}
+    for delta in deltas:
+        for call in delta.tool_calls:
+            first.setdefault(call.index, call)
+    assert all(c.id and c.name for c in first.values()), f"{parser.name}: a call's first delta needs its id and name"
+    assert len({c.id for c in first.values()}) == len(first), f"{parser.name}: tool call ids must differ"
+    return accumulate(deltas)
+
+
+def _calls_key(result: ExtractedToolCalls) -> tuple:
+    return result.content, [(c.name, c.arguments) for c in result.tool_calls]
 
 
 def paged_metadata(

@@ -3,7 +3,7 @@ command runs."""
 
 from pagelm import hookimpl
 
-PAGELM_PLUGIN_API = "2.2"
+PAGELM_PLUGIN_API = "2.3"
 
 
 @hookimpl

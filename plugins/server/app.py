@@ -29,23 +29,27 @@ from pagelm.plugins.server.protocol import (
     TokenizeResponse,
 )
 from pagelm.plugins.server.serving import OpenAIServing
+from pagelm.plugins.server.tools import ToolCalling
 
 
 def build_app(
     engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None, allow_unknown_fields: bool = False,
     max_n: int = DEFAULT_MAX_N, trust_request_chat_template: bool = False,
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     """The app serving ``engine``. It starts the engine's output loop at start-up and shuts the
     engine down when the server stops. ``allow_unknown_fields``: ignore request fields
     neither pagelm nor the OpenAI API defines, instead of a 400 naming them; ``max_n``: the
     most samples (``n``) one request may ask for; ``trust_request_chat_template``: render a
     ``chat_template`` a request brings (else a 400); ``max_request_body_bytes``: larger
-    bodies are a 413 before they are read."""
+    bodies are a 413 before they are read; ``tool_call_parser`` (a registered tool-call parser)
+    and ``enable_auto_tool_choice``: ``tool_choice="auto"`` (see tools.py)."""
     model_name = model_name or engine.model_name
     serving = OpenAIServing(
         engine, model_name, allow_unknown_fields=allow_unknown_fields, max_n=max_n,
         trust_request_chat_template=trust_request_chat_template,
+        tool_calling=ToolCalling(engine.tokenizer, tool_call_parser, enable_auto_tool_choice),
     )
 
     @asynccontextmanager

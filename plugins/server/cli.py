@@ -56,6 +56,15 @@ def add_parser(sub) -> None:
         help="render a chat_template sent in a request (default: a 400; a template is code run on the server)",
     )
     server.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help='let the model decide to call tools (tool_choice "auto", the default with tools); needs --tool-call-parser',
+    )
+    server.add_argument(
+        "--tool-call-parser", metavar="NAME",
+        help="how the model writes tool calls: a registered tool-call parser (built in: hermes for Hermes/Qwen, "
+        "llama3_json for Llama 3.x; `pagelm plugins` lists all)",
+    )
+    server.add_argument(
         "--max-engine-restarts", type=int, default=3,
         help="start a new engine core this many times when it dies (its requests fail; default: 3)",
     )
@@ -82,6 +91,19 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _check_tool_args(args: argparse.Namespace) -> None:
+    from pagelm.plugin_manager import get_plugin_manager
+    from pagelm.registry import UnknownNameError
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("pagelm serve: --enable-auto-tool-choice needs --tool-call-parser NAME")
+    if args.tool_call_parser:
+        try:
+            get_plugin_manager().tool_parsers().get(args.tool_call_parser)
+        except UnknownNameError as exc:
+            raise SystemExit(f"pagelm serve: --tool-call-parser: {exc}") from None
 
 
 def resolve_serve_model(given: str | None, revision: str | None = None) -> tuple[str, str]:
@@ -111,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     level = getattr(logging, args.log_level.upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(message)s")
     logging.getLogger("pagelm").setLevel(level)
+    _check_tool_args(args)  # before the engine starts
     kwargs = engine_kwargs(args)
     path, default_name = resolve_serve_model(args.model or kwargs.pop("model", None), args.revision)
     kwargs.pop("model", None)
@@ -125,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(
         engine, api_key=args.api_key, allow_unknown_fields=args.allow_unknown_fields, max_n=args.max_n,
         trust_request_chat_template=args.trust_request_chat_template,
-        max_request_body_bytes=args.max_request_body_bytes,
+        max_request_body_bytes=args.max_request_body_bytes, tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
     server = _draining_server_class()(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,

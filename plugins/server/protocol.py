@@ -43,9 +43,9 @@ class RequestBody(RequestPart):
 # clients that send them keep working. Anything else unknown is a 400 naming it.
 OPENAI_COMPLETION_FIELDS = frozenset({"user"})
 OPENAI_CHAT_FIELDS = frozenset({
-    "audio", "function_call", "functions", "metadata", "modalities", "parallel_tool_calls", "prediction",
-    "prompt_cache_key", "reasoning_effort", "safety_identifier", "service_tier", "store", "tool_choice",
-    "user", "verbosity", "web_search_options",
+    "audio", "function_call", "functions", "metadata", "modalities", "prediction",
+    "prompt_cache_key", "reasoning_effort", "safety_identifier", "service_tier", "store", "user",
+    "verbosity", "web_search_options",
 })
 
 
@@ -115,6 +115,9 @@ class ChatMessage(RequestPart):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # An assistant turn's calls, and a tool turn's answer to one (checked in tools.py).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -123,7 +126,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Count | None = None  # and at most the engine's max_logprobs
+    # Checked, with their error messages, in tools.py.
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
     add_generation_prompt: bool = True
     chat_template: str | None = None
 
@@ -180,9 +186,29 @@ class ChatLogprobs(OpenAIModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ChatToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_tool_calls(self, handler):
+        # Only a message with calls names them (a plain answer looks as it did before tools).
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(OpenAIModel):
@@ -202,14 +228,31 @@ class ChatCompletionResponse(OpenAIModel):
     usage: Usage | None = None
 
 
-class DeltaMessage(OpenAIModel):
-    role: str | None = None
-    content: str | None = None
-
+class _DeltaPart(OpenAIModel):
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):
         # A delta names only what it carries ({"content": "..."}), as OpenAI's do.
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_DeltaPart):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DeltaPart):
+    """A call's piece: the first one carries ``id``, ``type`` and ``function.name``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(_DeltaPart):
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIModel):

@@ -50,6 +50,7 @@ from pagelm.plugins.server.protocol import (
     TopLogprob,
     Usage,
 )
+from pagelm.plugins.server.tools import ToolCalling, ToolRequest, template_message
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 _SAMPLING_NAMES = {
@@ -63,7 +64,7 @@ _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_gramma
 class OpenAIServing:
     def __init__(
         self, engine: AsyncLLM, model_name: str, *, allow_unknown_fields: bool = False, max_n: int = DEFAULT_MAX_N,
-        trust_request_chat_template: bool = False,
+        trust_request_chat_template: bool = False, tool_calling: ToolCalling | None = None,
     ) -> None:
         self.engine = engine
         self.allow_unknown_fields = allow_unknown_fields
@@ -73,6 +74,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         if self.tokenizer is None:
             raise ValueError("the OpenAI server needs a tokenizer: do not set skip_tokenizer_init")
+        self.tool_calling = tool_calling or ToolCalling(self.tokenizer)
 
     # ---- checks shared by both endpoints --------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -97,7 +99,7 @@ class OpenAIServing:
 
     def sampling_params(
         self, req: SamplingFields, *, max_tokens: int | None, max_tokens_name: str, logprobs: int | None,
-        logprobs_name: str, prompt_logprobs: int | None = None,
+        logprobs_name: str, prompt_logprobs: int | None = None, tools: ToolRequest | None = None,
     ) -> SamplingParams:
         if req.logit_bias:
             raise APIError("logit_bias is not supported", param="logit_bias")
@@ -108,6 +110,8 @@ class OpenAIServing:
         if req.n > self.max_n:
             raise APIError(f"n must be at most {self.max_n} (the server's --max-n), got {req.n}", param="n")
         guided, guided_field = self.guided_decoding(req)
+        if tools is not None:
+            guided, guided_field = tools.constrain(guided, guided_field)
         kwargs: dict[str, Any] = dict(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -319,7 +323,7 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_fields(req, OPENAI_CHAT_FIELDS)
         self.check_engine()
-        prompt = await asyncio.to_thread(self._chat_inputs, req)  # off the event loop, as above
+        prompt, tools = await asyncio.to_thread(self._chat_inputs, req)  # off the event loop, as above
         logprobs = prompt.params.logprobs
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -332,25 +336,26 @@ class OpenAIServing:
             except BaseException:
                 await outputs.aclose()  # aborts it
                 raise
-            return _sse(self._chat_stream(request_id, prompt, req, outputs, first))
+            return _sse(self._chat_stream(request_id, prompt, req, outputs, first, tools))
         out = (await _gather([self._final(prompt, request_id, req)]))[0]
         usage = _UsageCounter()
         usage.add_prompt(out)
         choices = []
         for c in out.outputs:
             usage.completion += len(c.token_ids)
+            message, finish_reason = ChatResponseMessage(content=c.text), c.finish_reason
+            if tools is not None:
+                message, finish_reason = tools.message(c.text, c.finish_reason)
             choices.append(ChatChoice(
-                index=c.index, message=ChatResponseMessage(content=c.text),
-                logprobs=self._chat_logprobs(c, logprobs), finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+                index=c.index, message=message, logprobs=self._chat_logprobs(c, logprobs),
+                finish_reason=finish_reason, stop_reason=c.stop_reason,
             ))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage.usage())
 
-    def _chat_inputs(self, req: ChatCompletionRequest) -> ProcessedRequest:
-        """The request's parameters and rendered prompt, tokenized and checked (on a worker
-        thread)."""
-        if req.tools:
-            raise APIError("tools are not supported", param="tools")
+    def _chat_inputs(self, req: ChatCompletionRequest) -> tuple[ProcessedRequest, ToolRequest | None]:
+        """The request's parameters and rendered prompt, tokenized and checked, and its tool
+        calling (on a worker thread)."""
+        tools = self.tool_calling.prepare(req)
         max_tokens, max_name = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             max_tokens, max_name = req.max_completion_tokens, "max_completion_tokens"
@@ -358,11 +363,13 @@ class OpenAIServing:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(
-            req, max_tokens=max_tokens, max_tokens_name=max_name, logprobs=logprobs, logprobs_name="top_logprobs"
+            req, max_tokens=max_tokens, max_tokens_name=max_name, logprobs=logprobs, logprobs_name="top_logprobs",
+            tools=tools,
         )
-        return self.check_prompt(self._chat_prompt(req), params, req.priority, "messages", max_name)
+        prompt = self._chat_prompt(req, tools.tools if tools else None)
+        return self.check_prompt(prompt, params, req.priority, "messages", max_name), tools
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+    def _chat_prompt(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if req.chat_template is not None and not self.trust_request_chat_template:
             # A template is code run on the server (Jinja): a nested loop in one stalled it.
             raise APIError(
@@ -377,11 +384,11 @@ class OpenAIServing:
                 if any(part.get("type") != "text" for part in content):
                     raise APIError("only text content parts are supported", param=f"messages.{i}.content")
                 content = "".join(str(part.get("text", "")) for part in content)
-            messages.append({"role": m.role, "content": content or ""})
+            messages.append(template_message(m, i, {"role": m.role, "content": content or ""}))
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                chat_template=req.chat_template,
+                chat_template=req.chat_template, **({"tools": tools} if tools else {}),
             )
         except Exception as exc:
             raise APIError(f"cannot apply the chat template: {exc}", param="messages") from None
@@ -407,7 +414,7 @@ class OpenAIServing:
 
     async def _chat_stream(
         self, request_id: str, prompt: ProcessedRequest, req: ChatCompletionRequest,
-        outputs: AsyncIterator[RequestOutput], first: RequestOutput,
+        outputs: AsyncIterator[RequestOutput], first: RequestOutput, tools: ToolRequest | None = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         usage = _UsageCounter()
@@ -419,6 +426,7 @@ class OpenAIServing:
 
         params = prompt.params
         logprobs = params.logprobs
+        streams = [tools.stream() if tools else None for _ in range(params.n)]
         try:
             for index in range(params.n):
                 yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
@@ -426,9 +434,14 @@ class OpenAIServing:
                 async for out in _prepend(first, outputs):
                     for c in out.outputs:
                         usage.completion += len(c.token_ids)
+                        delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+                        if streams[c.index] is not None:  # tool calls: parsed text, maybe none yet
+                            delta, finish_reason = streams[c.index].delta(c.text, c.finish_reason)
+                            if delta is None and finish_reason is None and logprobs is None:
+                                continue
                         yield chunk([ChatStreamChoice(
-                            index=c.index, delta=DeltaMessage(content=c.text),
-                            logprobs=self._chat_logprobs(c, logprobs), finish_reason=c.finish_reason,
+                            index=c.index, delta=delta or DeltaMessage(),
+                            logprobs=self._chat_logprobs(c, logprobs), finish_reason=finish_reason,
                             stop_reason=c.stop_reason,
                         )])
                     if out.finished:

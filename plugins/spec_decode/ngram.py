@@ -18,7 +18,7 @@ import numpy as np
 from pagelm import hookimpl
 from pagelm.spec_decode import ProposalBatch, Proposer
 
-PAGELM_PLUGIN_API = "2.2"
+PAGELM_PLUGIN_API = "2.3"
 
 
 class NgramProposer(Proposer):

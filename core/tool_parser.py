@@ -1,0 +1,111 @@
+"""The tool-call parser contract: how the OpenAI server finds tool calls in a model's text.
+
+A model offered tools with ``tool_choice="auto"`` writes its calls in its own format
+(Hermes / Qwen 2.5: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; Llama 3:
+``{"name": ..., "parameters": {...}}``). A parser splits that text into plain content and
+tool calls. Parsers are plugins (``pagelm_register_tool_parsers``, plugin API 2.3), keyed by
+the name ``pagelm serve --tool-call-parser NAME`` selects.
+
+One parser object serves one choice of one request, so a streaming parser may keep state
+between deltas. The contract's one rule: however the output is cut into deltas, the deltas
+add up (:func:`accumulate`: content joined, each call's pieces joined by ``index``) to
+``extract_tool_calls`` of the whole text. A parser therefore never sends what it may have to
+take back: text that may still turn out to open a call is held, and a call whose text may
+still turn out malformed is held until it is complete. ``pagelm.testing.conformance.
+check_tool_parser`` checks the rule at every character boundary.
+"""
+
+from __future__ import annotations
+
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+def make_tool_call_id() -> str:
+    """A fresh tool call id, in vLLM's form (``chatcmpl-tool-<32 hex>``)."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+@dataclass
+class ToolCall:
+    name: str
+    # The arguments object as JSON text (OpenAI's ``function.arguments`` is a string).
+    arguments: str
+    id: str = field(default_factory=make_tool_call_id)
+
+
+@dataclass
+class ExtractedToolCalls:
+    """A whole output, split: ``content`` is None when nothing but calls was written."""
+
+    content: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass
+class ToolCallDelta:
+    """One call's piece of a streamed delta. A call's first piece carries its ``id`` and
+    ``name``; ``arguments`` pieces join into the arguments text."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class StreamDelta:
+    """What one streamed step adds to the message (vLLM's ``DeltaMessage``)."""
+
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.tool_calls)
+
+
+class ToolParser(ABC):
+    """Subclass, set ``name`` and implement ``extract_tool_calls_streaming``; the whole-text
+    ``extract_tool_calls`` then comes from it (override it only to be faster, keeping the
+    rule above)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]]) -> None:
+        # The model's tokenizer, and the request's tools as given (OpenAI's
+        # {"type": "function", "function": {"name", "parameters", ...}} objects).
+        self.tokenizer = tokenizer
+        self.tools = tools
+
+    @abstractmethod
+    def extract_tool_calls_streaming(self, previous_text: str, delta_text: str, finished: bool) -> StreamDelta:
+        """The next delta of the message, given the output so far (``previous_text``, all
+        text given before) and its new text. ``finished``: no text follows; send all that is
+        held. Called once per streamed engine output, never per token by the engine."""
+
+    def extract_tool_calls(self, model_output: str) -> ExtractedToolCalls:
+        """The whole output, split into content and calls (non-streaming responses)."""
+        fresh = type(self)(self.tokenizer, self.tools)
+        return accumulate([fresh.extract_tool_calls_streaming("", model_output, True)])
+
+
+def accumulate(deltas: Iterable[StreamDelta]) -> ExtractedToolCalls:
+    """What a client assembles from streamed deltas: the content joined, and each call's
+    id and name from its first piece with its argument pieces joined."""
+    content: list[str] = []
+    calls: dict[int, ToolCall] = {}
+    for delta in deltas:
+        content.append(delta.content)
+        for piece in delta.tool_calls:
+            call = calls.get(piece.index)
+            if call is None:
+                if piece.name is None:
+                    raise ValueError(f"tool call {piece.index}'s first delta has no name")
+                calls[piece.index] = call = ToolCall(piece.name, "", piece.id or make_tool_call_id())
+            call.arguments += piece.arguments
+    if sorted(calls) != list(range(len(calls))):
+        raise ValueError(f"tool call indexes must count up from 0, got {sorted(calls)}")
+    return ExtractedToolCalls("".join(content) or None, [calls[i] for i in range(len(calls))])
