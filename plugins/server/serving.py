@@ -200,7 +200,15 @@ class OpenAIServing:
         params, prompts, processed = await asyncio.to_thread(self._completion_inputs, req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(self._completion_stream(request_id, prompts, processed, params, req))
+            # As in chat: the first chunk goes out with the engine's first output, so that a
+            # client-measured TTFT includes the prefill and an error the engine finds first is
+            # an HTTP error, not an event after a 200.
+            outputs = _merge([
+                self.engine.generate(p, params, f"{request_id}-{i}", cache_salt=req.cache_salt)
+                for i, p in enumerate(processed)
+            ])
+            first = await _first_output(outputs)
+            return _sse(self._completion_stream(request_id, prompts, params, req, outputs, first))
         finals = await _gather([
             self._final(p, f"{request_id}-{i}", req) for i, p in enumerate(processed)
         ])
@@ -290,26 +298,25 @@ class OpenAIServing:
         return offset + len(token)
 
     async def _completion_stream(
-        self, request_id: str, prompts: list[dict], processed: list[ProcessedRequest], params: SamplingParams,
-        req: CompletionRequest,
+        self, request_id: str, prompts: list[dict], params: SamplingParams, req: CompletionRequest,
+        outputs: AsyncIterator[tuple[int, RequestOutput]], first: tuple[int, RequestOutput],
     ) -> AsyncIterator[str]:
         created, started = int(time.time()), set()
         usage = _UsageCounter()
-        generators = [
-            self.engine.generate(p, params, f"{request_id}-{i}", cache_salt=req.cache_salt)
-            for i, p in enumerate(processed)
-        ]
         try:
-            async for i, out in _merge(generators):
-                for c in out.outputs:
-                    index = i * params.n + c.index
-                    usage.completion += len(c.token_ids)
-                    choice = self._completion_choice(index, prompts[i], out, c, req, first=index not in started)
-                    started.add(index)
-                    chunk = CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[choice])
-                    yield _event(chunk)
-                if out.finished:
-                    usage.add_prompt(out)
+            async with aclosing(outputs):  # closing it aborts what is still running
+                async for i, out in _prepend(first, outputs):
+                    for c in out.outputs:
+                        index = i * params.n + c.index
+                        usage.completion += len(c.token_ids)
+                        choice = self._completion_choice(index, prompts[i], out, c, req, first=index not in started)
+                        started.add(index)
+                        chunk = CompletionResponse(
+                            id=request_id, created=created, model=self.model_name, choices=[choice]
+                        )
+                        yield _event(chunk)
+                    if out.finished:
+                        usage.add_prompt(out)
             if req.stream_options and req.stream_options.include_usage:
                 yield _event(CompletionResponse(
                     id=request_id, created=created, model=self.model_name, choices=[], usage=usage.usage()
@@ -512,6 +519,20 @@ def _error_event(exc: Exception) -> str:
     else:
         err = APIError(f"internal error: {exc}", 500)
     return f"data: {json.dumps(err.body())}\n\n"
+
+
+async def _first_output(outputs: AsyncIterator):
+    """The first item of ``outputs``, awaited before a stream's 200 goes out. On failure (or
+    when there is none: the request was aborted) ``outputs`` is closed, which aborts its
+    requests, and the error raises to the handler as an HTTP error."""
+    try:
+        return await outputs.__anext__()
+    except StopAsyncIteration:
+        await outputs.aclose()
+        raise APIError("the request was aborted", 500) from None
+    except BaseException:
+        await outputs.aclose()
+        raise
 
 
 async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
