@@ -20,6 +20,7 @@ STREAMS = {
     "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True},
     "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                              "stream": True},
+    "/v1/responses": {"model": MODEL, "input": "hi", "max_output_tokens": 4, "stream": True},
 }
 
 
@@ -74,7 +75,7 @@ def test_a_step_that_fails_before_the_first_token_is_a_500(inproc, path):
     error = r.json()["error"]
     assert "injected fault" in error["message"] and error["type"] == "internal_error"
     again = httpx.post(f"{url}{path}", json=STREAMS[path], timeout=30)  # the engine serves on
-    assert again.status_code == 200 and "[DONE]" in again.text
+    assert again.status_code == 200 and ("[DONE]" in again.text or "response.completed" in again.text)
 
 
 @pytest.mark.parametrize("path", list(STREAMS))
@@ -93,6 +94,8 @@ def test_the_openai_client_sees_the_error_when_it_starts_a_stream(inproc):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     with next_step(engine, fault), pytest.raises(openai.InternalServerError, match="injected fault"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=4, stream=True)
+    with next_step(engine, fault), pytest.raises(openai.InternalServerError, match="injected fault"):
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=4, stream=True)
 
 
 def test_a_streamed_completion_answers_with_the_engines_first_output(inproc):

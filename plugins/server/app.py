@@ -1,5 +1,5 @@
-"""The HTTP application: OpenAI-compatible routes plus health, metrics, tokenizer and version
-endpoints, around one ``AsyncLLM``."""
+"""The HTTP application: OpenAI-compatible routes (completions, chat completions, responses)
+plus health, metrics, tokenizer and version endpoints, around one ``AsyncLLM``."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ from pagelm.plugins.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagelm.plugins.server.responses import ResponsesServing
+from pagelm.plugins.server.responses_protocol import ResponsesRequest
 from pagelm.plugins.server.serving import OpenAIServing
 from pagelm.plugins.server.tools import ToolCalling
 
@@ -51,6 +53,7 @@ def build_app(
         trust_request_chat_template=trust_request_chat_template,
         tool_calling=ToolCalling(engine.tokenizer, tool_call_parser, enable_auto_tool_choice),
     )
+    responses_serving = ResponsesServing(serving)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -76,6 +79,10 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await _unless_disconnected(raw, serving.chat(body))
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Any:
+        return await _unless_disconnected(raw, responses_serving.create(body))
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -506,19 +506,22 @@ def _event(model) -> str:
 
 
 def _error_event(exc: Exception) -> str:
+    return f"data: {json.dumps(_as_api_error(exc).body())}\n\n"
+
+
+def _as_api_error(exc: Exception) -> APIError:
+    """What a stream says about an error once its status line is gone."""
     if isinstance(exc, APIError):
-        err = exc
-    elif isinstance(exc, ValueError):
-        err = APIError(str(exc), 400)
-    elif isinstance(exc, EngineStepError):
-        err = APIError(str(exc), 500)
-    elif isinstance(exc, EngineShuttingDown):
-        err = APIError(str(exc), 503)
-    elif isinstance(exc, EngineDeadError):
-        err = APIError(f"the engine is dead: {exc}", 500)
-    else:
-        err = APIError(f"internal error: {exc}", 500)
-    return f"data: {json.dumps(err.body())}\n\n"
+        return exc
+    if isinstance(exc, ValueError):
+        return APIError(str(exc), 400)
+    if isinstance(exc, EngineStepError):
+        return APIError(str(exc), 500)
+    if isinstance(exc, EngineShuttingDown):
+        return APIError(str(exc), 503)
+    if isinstance(exc, EngineDeadError):
+        return APIError(f"the engine is dead: {exc}", 500)
+    return APIError(f"internal error: {exc}", 500)
 
 
 async def _first_output(outputs: AsyncIterator):
