@@ -26,7 +26,7 @@ STREAMS = {
 
 @pytest.fixture(scope="module")
 def inproc(llama_dir):
-    """(base URL, engine) of a server (no API key) on a free port."""
+    """(base URL, engine) of a server (no API key, no /tokenizer_info) on a free port."""
     engine = AsyncLLM.from_model(str(llama_dir), engine_process=False, num_kv_blocks=128, max_model_len=256)
     server = uvicorn.Server(uvicorn.Config(
         build_app(engine, model_name=MODEL), host="127.0.0.1", port=free_port(), log_level="warning",
@@ -96,6 +96,13 @@ def test_the_openai_client_sees_the_error_when_it_starts_a_stream(inproc):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=4, stream=True)
     with next_step(engine, fault), pytest.raises(openai.InternalServerError, match="injected fault"):
         client.responses.create(model=MODEL, input="hi", max_output_tokens=4, stream=True)
+
+
+def test_tokenizer_info_is_off_unless_enabled(inproc):
+    url, _ = inproc
+    r = httpx.get(f"{url}/tokenizer_info")
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
+    assert httpx.get(f"{url}/ping").status_code == 200  # its neighbours are there
 
 
 def test_a_streamed_completion_answers_with_the_engines_first_output(inproc):

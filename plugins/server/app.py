@@ -1,5 +1,5 @@
 """The HTTP application: OpenAI-compatible routes (completions, chat completions, responses)
-plus health, metrics, tokenizer and version endpoints, around one ``AsyncLLM``."""
+plus health, load, metrics, tokenizer and version endpoints, around one ``AsyncLLM``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pagelm.engine.async_llm import AsyncLLM
 from pagelm.plugins.server import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
 from pagelm.plugins.server.errors import APIError, install_error_handlers
 from pagelm.plugins.server.http_metrics import HTTPMetrics, HTTPMetricsMiddleware
+from pagelm.plugins.server.load import ServerLoad, ServerLoadMiddleware
 from pagelm.plugins.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,13 +33,14 @@ from pagelm.plugins.server.responses import ResponsesServing
 from pagelm.plugins.server.responses_protocol import ResponsesRequest
 from pagelm.plugins.server.serving import OpenAIServing
 from pagelm.plugins.server.tools import ToolCalling
+from pagelm.plugins.server.tokenizer_info import tokenizer_info
 
 
 def build_app(
     engine: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None, allow_unknown_fields: bool = False,
     max_n: int = DEFAULT_MAX_N, trust_request_chat_template: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, tool_call_parser: str | None = None,
-    enable_auto_tool_choice: bool = False,
+    enable_auto_tool_choice: bool = False, enable_tokenizer_info_endpoint: bool = False,
 ) -> FastAPI:
     """The app serving ``engine``. It starts the engine's output loop at start-up and shuts the
     engine down when the server stops. ``allow_unknown_fields``: ignore request fields
@@ -46,7 +48,9 @@ def build_app(
     most samples (``n``) one request may ask for; ``trust_request_chat_template``: render a
     ``chat_template`` a request brings (else a 400); ``max_request_body_bytes``: larger
     bodies are a 413 before they are read; ``tool_call_parser`` (a registered tool-call parser)
-    and ``enable_auto_tool_choice``: ``tool_choice="auto"`` (see tools.py)."""
+    and ``enable_auto_tool_choice``: ``tool_choice="auto"`` (see tools.py);
+    ``enable_tokenizer_info_endpoint``: serve ``/tokenizer_info`` (vLLM's flag; it shows the
+    chat template and the model's path)."""
     model_name = model_name or engine.model_name
     serving = OpenAIServing(
         engine, model_name, allow_unknown_fields=allow_unknown_fields, max_n=max_n,
@@ -54,6 +58,7 @@ def build_app(
         tool_calling=ToolCalling(engine.tokenizer, tool_call_parser, enable_auto_tool_choice),
     )
     responses_serving = ResponsesServing(serving)
+    load = ServerLoad()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -66,6 +71,7 @@ def build_app(
     app = FastAPI(title="pagelm", version=pagelm.__version__, lifespan=lifespan)
     app.state.engine = engine
     install_error_handlers(app)
+    app.add_middleware(ServerLoadMiddleware, load=load)  # inside the others: counts what gets through
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:  # added late: it runs early, so that no unauthenticated body is read
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -101,9 +107,23 @@ def build_app(
             return APIError("the server is shutting down", 503).response()
         return Response(status_code=200)
 
+    # vLLM's /ping (SageMaker's health check): /health by another name, GET or POST.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/load")
+    async def server_load() -> dict:
+        return {"server_load": load.in_flight}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    if enable_tokenizer_info_endpoint:
+        info = tokenizer_info(engine.tokenizer)
+
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> JSONResponse:
+            return JSONResponse(info)
 
     @app.get("/version")
     async def version() -> dict:
@@ -159,11 +179,11 @@ async def _unless_disconnected(raw: Request, work: Awaitable) -> Any:
 
 
 class APIKeyMiddleware:
-    """``Authorization: Bearer <key>`` on every route but ``/health`` (load balancers probe it
-    without credentials): ``/tokenize`` and ``/metrics`` answered anyone, and an
-    unauthenticated 5 MB ``/tokenize`` stalled the server. Plain ASGI: streams untouched."""
+    """``Authorization: Bearer <key>`` on every route but ``/health`` and ``/ping`` (load
+    balancers probe them without credentials): ``/tokenize`` and ``/metrics`` answered anyone,
+    and an unauthenticated 5 MB ``/tokenize`` stalled the server. Plain ASGI: streams untouched."""
 
-    OPEN_PATHS = frozenset({"/health"})
+    OPEN_PATHS = frozenset({"/health", "/ping"})
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app

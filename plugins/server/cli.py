@@ -30,7 +30,8 @@ def add_parser(sub) -> None:
     server.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     server.add_argument(
         "--api-key", default=os.environ.get("PAGELM_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGELM_API_KEY, else none)",
+        help="require 'Authorization: Bearer KEY' on every route but /health and /ping "
+        "(default: $PAGELM_API_KEY, else none)",
     )
     server.add_argument("--served-model-name", help="model name clients use (default: MODEL as given)")
     server.add_argument("--revision", help="hub revision (branch, tag or commit) for a hub id MODEL")
@@ -63,6 +64,11 @@ def add_parser(sub) -> None:
         "--tool-call-parser", metavar="NAME",
         help="how the model writes tool calls: a registered tool-call parser (built in: hermes for Hermes/Qwen, "
         "llama3_json for Llama 3.x; `pagelm plugins` lists all)",
+    )
+    server.add_argument(
+        "--enable-tokenizer-info-endpoint", action="store_true",
+        help="serve GET /tokenizer_info, the tokenizer's configuration (as vLLM; default: off, as it shows "
+        "the chat template and the model's path)",
     )
     server.add_argument(
         "--max-engine-restarts", type=int, default=3,
@@ -150,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         trust_request_chat_template=args.trust_request_chat_template,
         max_request_body_bytes=args.max_request_body_bytes, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
     )
     server = _draining_server_class()(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,
