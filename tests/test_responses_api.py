@@ -151,7 +151,7 @@ def test_a_client_that_leaves_a_stream_aborts_it(server):
     with httpx.stream("POST", f"{server}/v1/responses", json=body, headers=AUTH, timeout=30) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: ") and "output_text.delta" in line)
-    abort = "pagelm:request_success_total{finished_reason=abort}"
+    abort = "vllm:request_success_total{finished_reason=abort}"
     assert wait_for(lambda: metrics(server).get(abort, 0) == before.get(abort, 0) + 1)
     assert wait_for(lambda: metrics(server)["pagelm:num_free_kv_blocks"] == 512)
 

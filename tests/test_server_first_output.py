@@ -121,6 +121,6 @@ def test_a_streamed_completion_answers_with_the_engines_first_output(inproc):
         headers_s = time.perf_counter() - start
         text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     after = metrics(url)
-    name = "pagelm:time_to_first_token_seconds_sum"
+    name = "vllm:time_to_first_token_seconds_sum"
     server_ttft = after[name] - before[name]
     assert text and server_ttft >= 0.3 and headers_s >= server_ttft, (headers_s, server_ttft)
