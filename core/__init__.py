@@ -5,7 +5,7 @@ The public API mirrors vLLM's offline API: ``LLM``, ``SamplingParams``, ``Reques
 
 from pagelm.hookspecs import hookimpl
 from pagelm.plugin_api import PLUGIN_API_VERSION
-from pagelm.sampling_params import GuidedDecodingParams, SamplingParams
+from pagelm.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -39,4 +39,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'pagelm' has no attribute {name!r}")
 
 
-__all__ = ["PLUGIN_API_VERSION", "GuidedDecodingParams", "SamplingParams", "hookimpl", "__version__", *_LAZY]
+__all__ = [
+    "PLUGIN_API_VERSION", "GuidedDecodingParams", "SamplingParams", "StructuredOutputsParams", "hookimpl", "__version__",
+    *_LAZY,
+]

@@ -74,7 +74,7 @@ class LLM:
         inputs = self.engine.inputs
         processed = []
         for p, sp, prio in zip(prompts, params, priorities):
-            text, token_ids = inputs.tokenize(p)
+            text, token_ids = inputs.truncate(*inputs.tokenize(p), sp)
             inputs.check_prompt(token_ids)
             processed.append(ProcessedRequest(text, token_ids, sp, prio))
         # Once per distinct pair: one SamplingParams shared by every prompt is the usual case,

@@ -111,12 +111,13 @@ class Request:
         self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
         self.prompt_logprobs_done = sampling_params.prompt_logprobs is None
         # Its next sample reads its previous tokens on the host: penalties count the tokens so
-        # far (with async scheduling a step that has it runs synchronously), a grammar accepts
+        # far, bad words of several tokens match the output's tail (with async scheduling a step that has it runs synchronously), a grammar accepts
         # each token before the next bitmask (such a step samples after the previous finished).
         self.reads_output_history = (
             sampling_params.presence_penalty != 0.0
             or sampling_params.frequency_penalty != 0.0
             or sampling_params.repetition_penalty != 1.0
+            or bool(sampling_params.bad_word_prefixes)  # a bad word's ban depends on the tail
         )
         self._block_hasher = block_hasher
         self.block_hashes: list[bytes] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json as _json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,11 @@ SAMPLING_EPS = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# logit_bias values, as OpenAI bounds them: +-100 already makes a token certain or impossible.
+MAX_LOGIT_BIAS = 100.0
+# A request's bad_words after tokenization: at most this many token sequences, this many tokens
+# in all (vLLM's VLLM_MAX_NUM_BAD_WORDS / VLLM_MAX_BAD_WORDS_TOTAL_TOKENS defaults).
+MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS = 128, 1024
 
 
 @dataclass
@@ -82,6 +88,10 @@ class GuidedDecodingParams:
         return getattr(self, kind)
 
 
+# vLLM's newer name for the same constraint (``SamplingParams.structured_outputs``).
+StructuredOutputsParams = GuidedDecodingParams
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding parameters. Invalid values raise ``ValueError`` naming the
@@ -107,12 +117,26 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Structured output: constrain the text to a JSON schema, regex, choice or grammar.
     guided_decoding: GuidedDecodingParams | None = None
+    # vLLM's newer name for guided_decoding: either may be given, both then hold the same.
+    structured_outputs: GuidedDecodingParams | None = None
+    # Logits processors applied to this request alone (vLLM's names). logit_bias: token id ->
+    # added to its logit, in [-100, 100]; allowed_token_ids: only these may be sampled;
+    # bad_words: words never generated (their last token is banned wherever the tokens before
+    # it end the output). A request that uses none of them costs the step nothing.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Keep only the last k prompt tokens (-1: as many as the context leaves room for).
+    truncate_prompt_tokens: int | None = None
     # Per-request data for plugins (vLLM's name): a policy or proposer reads
     # ``request.sampling_params.extra_args``. JSON-like values only: it crosses to the engine
     # core's process as msgpack.
     extra_args: dict[str, Any] | None = None
     # Filled by the engine from generation_config / tokenizer; not a user knob.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # bad_words as token sequences: the input processor tokenizes them (the engine core has
+    # no tokenizer); they cross to the engine core and the ranks with the rest.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -126,6 +150,15 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.guided_decoding, dict):  # from the engine-core wire format, YAML, JSON
             self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = GuidedDecodingParams(**self.structured_outputs)
+        if self.structured_outputs is not None and self.guided_decoding not in (None, self.structured_outputs):
+            raise ValueError("structured_outputs and guided_decoding are the same constraint: give one of them")
+        self.guided_decoding = self.structured_outputs = self.guided_decoding or self.structured_outputs
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = _token_keys(self.logit_bias)
+        if isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) for w in self.bad_words):
+            self.bad_words = list(dict.fromkeys(self.bad_words))  # vLLM drops repeats
         self._validate()
         self.all_stop_token_ids = set(self.stop_token_ids)
 
@@ -156,8 +189,8 @@ class SamplingParams:
             raise bad("presence_penalty", "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", "in (0, 2]")
+        if not (0.0 < self.repetition_penalty and math.isfinite(self.repetition_penalty)):
+            raise bad("repetition_penalty", "a finite float > 0")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1 or None")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
@@ -180,10 +213,47 @@ class SamplingParams:
             raise bad("guided_decoding", "a GuidedDecodingParams or None")
         if self.extra_args is not None:
             _check_extra_args(self.extra_args)
+        self._validate_logits_processors()
+
+    def _validate_logits_processors(self) -> None:
+        """logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens: their shapes and
+        ranges (the vocabulary is the input processor's to check)."""
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+            for token, value in bias.items():
+                if not _is_token_id(token):
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS
+                ):
+                    raise ValueError(
+                        f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r} for token {token}"
+                    )
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, (list, tuple)) or not allowed or not all(_is_token_id(t) for t in allowed)
+        ):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), got {allowed!r}")
+        words = self.bad_words
+        if words is not None and (not isinstance(words, list) or any(not isinstance(w, str) or not w for w in words)):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {words!r}")
+        if self.bad_words_token_ids is not None:
+            check_bad_words_token_ids(self.bad_words_token_ids)
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or 1 <= k <= INT64_MAX)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (as many as fit), got {k!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def bad_word_prefixes(self) -> list[list[int]]:
+        """The bad words of more than one token: banning their last token depends on what the
+        output ends with, so a step sampling this request reads its previous tokens."""
+        return [w for w in self.bad_words_token_ids or () if len(w) > 1]
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
@@ -192,8 +262,40 @@ class SamplingParams:
         """Plain data for msgpack (another process, another rank); ``SamplingParams(**d)``
         rebuilds it. ``all_stop_token_ids`` is derived from ``stop_token_ids`` there again."""
         data = dataclasses.asdict(self)
-        del data["all_stop_token_ids"]
+        del data["all_stop_token_ids"], data["structured_outputs"]  # the same as guided_decoding
+        if self.logit_bias is not None:  # msgpack maps on the wire have string keys, as JSON's
+            data["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
         return data
+
+
+def _is_token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX
+
+
+def _token_keys(bias: dict) -> dict:
+    """logit_bias keys as ints: JSON, YAML and the wire give them as strings ("50256"), as
+    OpenAI's API does."""
+    out = {}
+    for key, value in bias.items():
+        if isinstance(key, str):
+            try:
+                key = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}") from None
+        out[key] = value
+    return out
+
+
+def check_bad_words_token_ids(words: Any) -> None:
+    if not isinstance(words, list) or not all(
+        isinstance(w, list) and w and all(_is_token_id(t) for t in w) for w in words
+    ):
+        raise ValueError(f"bad_words_token_ids must be a list of non-empty token id lists, got {words!r}")
+    if len(words) > MAX_BAD_WORDS or sum(map(len, words)) > MAX_BAD_WORDS_TOKENS:
+        raise ValueError(
+            f"bad_words must come to at most {MAX_BAD_WORDS} token sequences of {MAX_BAD_WORDS_TOKENS} "
+            f"tokens in all once tokenized, got {len(words)} of {sum(map(len, words))}"
+        )
 
 
 def _check_extra_args(extra_args: Any) -> None:

@@ -139,7 +139,7 @@ def test_min_p_drops_tokens_below_fraction_of_max_prob():
 def test_min_tokens_forbids_eos():
     # EOS (id 1) is the argmax, but row 0 is under min_tokens; row 1 is not.
     logits = [[0.0, 9.0, 1.0], [0.0, 9.0, 1.0]]
-    md = make_md([0.0, 0.0], min_tokens_stop_ids={0: {1}})
+    md = make_md([0.0, 0.0], banned_token_ids={0: {1}})
     assert sample(logits, md).sampled_token_ids.tolist() == [2, 1]
 
 

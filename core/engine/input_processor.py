@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from pagelm.config import EngineConfig
-from pagelm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from pagelm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, check_bad_words_token_ids
 from pagelm.structured_output import validate_guided_decoding
 
 # vLLM's prompt shapes: a string, or {"prompt_token_ids": [...]} (TokensPrompt), or
@@ -53,6 +53,7 @@ class InputProcessor:
     def process(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> ProcessedRequest:
         """Tokenize ``prompt`` and check it with ``params``; ``ValueError`` names the problem."""
         text, token_ids = self.tokenize(prompt)
+        text, token_ids = self.truncate(text, token_ids, params)
         self.check_prompt(token_ids)
         self.check_params(params, priority)
         return ProcessedRequest(text, token_ids, params, priority)
@@ -69,6 +70,25 @@ class InputProcessor:
             "prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
             f"got {type(prompt).__name__}"
         )
+
+    def truncate(self, text: str | None, token_ids: list[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+        """``params.truncate_prompt_tokens``: keep the prompt's last k tokens (vLLM's left
+        truncation; -1: as many as leave room for ``max_tokens``). A truncated prompt has no
+        text any more (its text is the whole prompt's)."""
+        k = params.truncate_prompt_tokens
+        if k is None:
+            return text, token_ids
+        room = self.max_model_len - (params.max_tokens or 1)
+        if k == -1:
+            k = max(room, 1)
+        elif k > room:
+            raise ValueError(
+                f"truncate_prompt_tokens must be at most max_model_len - max_tokens = {self.max_model_len} - "
+                f"{params.max_tokens or 1} = {room}, got {k}"
+            )
+        if len(token_ids) <= k:
+            return text, token_ids
+        return None, token_ids[-k:]
 
     def check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -100,3 +120,39 @@ class InputProcessor:
                 )
         if params.guided_decoding is not None:
             validate_guided_decoding(self.config, params.guided_decoding)
+        self.check_token_lists(params)
+
+    def check_token_lists(self, params: SamplingParams) -> None:
+        """logit_bias and allowed_token_ids within the vocabulary (they index the logits);
+        bad_words tokenized into ``params.bad_words_token_ids`` as vLLM does, each word both as
+        it stands and after a space (a word inside the text)."""
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = sorted({t for t in ids if t >= self.vocab_size})
+            if outside:
+                raise ValueError(f"{name} has token ids {outside[:8]} outside the vocabulary [0, {self.vocab_size})")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        if params.bad_words_token_ids:
+            check_bad_words_token_ids(params.bad_words_token_ids)
+            outside = sorted({t for w in params.bad_words_token_ids for t in w if t >= self.vocab_size})
+            if outside:
+                raise ValueError(f"bad_words tokenize to ids {outside[:8]} outside the vocabulary [0, {self.vocab_size})")
+        if params.allowed_token_ids is not None:
+            banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
+            if set(params.allowed_token_ids) <= banned:
+                raise ValueError("allowed_token_ids leaves no token to sample: bad_words bans every one of them")
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; the engine has skip_tokenizer_init=True")
+        out: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"bad_words entry {word!r} tokenizes to no token")
+            out.append(plain)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            # Only where the space makes another word of the same length (vLLM's rule).
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return out

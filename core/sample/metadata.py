@@ -34,8 +34,14 @@ class SamplingMetadata:
     presence_penalties: torch.Tensor | None = None  # [N] float32, None if all 0
     frequency_penalties: torch.Tensor | None = None  # [N] float32, None if all 0
     repetition_penalties: torch.Tensor | None = None  # [N] float32, None if all 1
-    # Row -> token ids forbidden this step (EOS / stop ids while below min_tokens).
-    min_tokens_stop_ids: dict[int, set[int]] = field(default_factory=dict)
+    # Row -> token ids forbidden this step: EOS / stop ids while below min_tokens, the last
+    # token of a bad word whose other tokens end the output.
+    banned_token_ids: dict[int, set[int]] = field(default_factory=dict)
+    # Requests' own logits rows (logit_bias, allowed_token_ids, one-token bad_words; see
+    # pagelm.sample.request_logits): [k] batch rows and [k, V] float32 added to them.
+    # None when no request in the batch has one.
+    logits_rows_index: torch.Tensor | None = None
+    logits_rows: torch.Tensor | None = None
     # [N, vocab] bool, the guided-decoding seam: False -> logit set to -inf.
     allowed_token_mask: torch.Tensor | None = None
 

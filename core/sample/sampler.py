@@ -4,7 +4,7 @@ Processing order (each stage is skipped when no row in the batch uses it)::
 
     raw logits ──► logprobs (vLLM's "raw_logprobs": before anything below)
         │
-        ├─ allowed_token_mask ─ min_tokens forbids ─ penalties ──► greedy rows: argmax
+        ├─ allowed_token_mask ─ requests' logits rows ─ banned ids ─ penalties ──► greedy: argmax
         │
         └─ temperature ─ min_p ─ top_k ─ top_p ─ softmax ─ exponential race ──► random rows
 
@@ -97,18 +97,21 @@ class Sampler(nn.Module):
         no logprobs, no per-request generators."""
         return (
             md.all_random and md.top_k is None and md.top_p is None and md.min_p is None and md.no_penalties
-            and not md.min_tokens_stop_ids and md.allowed_token_mask is None and md.max_num_logprobs is None
-            and not md.generators
+            and not md.banned_token_ids and md.allowed_token_mask is None and md.max_num_logprobs is None
+            and not md.generators and md.logits_rows is None
         )
 
 
 def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """The processors that apply to greedy and random rows alike: the allowed-token mask,
-    min-tokens bans, penalties."""
+    requests' own logits rows (logit_bias, allowed_token_ids, bad_words), banned ids
+    (min_tokens, bad words), penalties."""
     if md.allowed_token_mask is not None:
         logits = logits.masked_fill(~md.allowed_token_mask, float("-inf"))
-    if md.min_tokens_stop_ids:
-        logits = apply_min_tokens(logits, md.min_tokens_stop_ids)
+    if md.logits_rows is not None:
+        logits = logits.index_add(0, md.logits_rows_index, md.logits_rows)
+    if md.banned_token_ids:
+        logits = ban_tokens(logits, md.banned_token_ids)
     if not md.no_penalties:
         logits = apply_penalties(logits, md)
     return logits
@@ -130,8 +133,9 @@ def sampling_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def apply_min_tokens(logits: torch.Tensor, stop_ids: dict[int, set[int]]) -> torch.Tensor:
-    """Forbid EOS / stop tokens for rows still below their ``min_tokens``."""
+def ban_tokens(logits: torch.Tensor, stop_ids: dict[int, set[int]]) -> torch.Tensor:
+    """Set ``stop_ids[row]`` to -inf in each row: EOS / stop tokens for rows still below their
+    ``min_tokens``, bad words' last tokens."""
     rows = [row for row, ids in stop_ids.items() for _ in ids]
     cols = [tok for ids in stop_ids.values() for tok in ids]
     if not rows:

@@ -37,6 +37,7 @@ from pagelm.kv_cache import cdiv
 from pagelm.kernels import fused_kernel
 from pagelm.sample import Sampler, SamplerOutput, SamplingMetadata
 from pagelm.sample.bitmask import apply_token_bitmask, upload_bitmask
+from pagelm.sample.request_logits import build_logits_row
 from pagelm.sample.sampler import LogprobsTensors
 from pagelm.sampling_params import SamplingParams
 from pagelm.sched.output import SchedulerOutput
@@ -174,6 +175,7 @@ class ModelRunner:
     def _add_state(self, state: CachedRequestState) -> CachedRequestState:
         assert self._free_rows, "more running requests than max_num_seqs"
         state.row = self._free_rows.pop()
+        state.logits_row = build_logits_row(state.sampling_params, self.vocab_size, self.device)
         self.block_table_cpu[state.row, : len(state.block_ids)] = state.block_ids
         self.requests[state.req_id] = state
         return state

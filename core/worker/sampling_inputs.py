@@ -7,6 +7,7 @@ import hashlib
 import torch
 
 from pagelm.sample import SamplingMetadata
+from pagelm.sample.request_logits import bad_word_bans
 from pagelm.sampling_params import SAMPLING_EPS
 
 
@@ -52,13 +53,17 @@ def build_sampling_metadata(states, eos_token_ids: frozenset[int], vocab_size: i
             prompt_ids[i, : s.num_prompt_tokens] = torch.tensor(s.token_ids[: s.num_prompt_tokens])
         prompt_ids = prompt_ids.to(device, non_blocking=True)
 
-    min_tokens_stop_ids = {}
+    banned_token_ids = {}
     for i, s in enumerate(states):
         p = s.sampling_params
+        banned = set()
         if len(s.output_token_ids) < p.min_tokens:
             banned = set(p.all_stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            if banned:
-                min_tokens_stop_ids[i] = banned
+        if p.bad_words_token_ids:  # its multi-token words: this step runs with its outputs known
+            banned |= bad_word_bans(p.bad_word_prefixes, s.output_token_ids)
+        if banned:
+            banned_token_ids[i] = banned
+    rows = [(i, s.logits_row) for i, s in enumerate(states) if s.logits_row is not None]
 
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingMetadata(
@@ -77,6 +82,8 @@ def build_sampling_metadata(states, eos_token_ids: frozenset[int], vocab_size: i
         presence_penalties=presence,
         frequency_penalties=frequency,
         repetition_penalties=repetition,
-        min_tokens_stop_ids=min_tokens_stop_ids,
+        banned_token_ids=banned_token_ids,
         allowed_token_mask=None,
+        logits_rows_index=to_device([i for i, _ in rows], torch.long, device) if rows else None,
+        logits_rows=torch.stack([row for _, row in rows]) if rows else None,
     )

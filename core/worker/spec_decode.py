@@ -84,6 +84,7 @@ class _DraftRow:
     output_token_ids: list[int] | _Length
     num_prompt_tokens: int
     token_ids: list[int]
+    logits_row: torch.Tensor | None  # the request's (logit_bias, allowed_token_ids, bad_words)
 
 
 class SpecDecodeRunner:
@@ -170,11 +171,14 @@ class SpecDecodeRunner:
         # Logits rows: the last 1 + d_i positions of request i.
         first = first_token_index(step, counts_np) + counts_np - rows_per_req
         logits_indices = np.repeat(first - row_start, rows_per_req) + np.arange(int(rows_per_req.sum()))
-        # Penalties read each row's output history; otherwise only its length matters (seeds
-        # keyed on the output index, min_tokens), and no history is copied.
-        history = any(_uses_penalties(s.sampling_params) for s in states)
+        # Penalties and bad words read each row's output history; otherwise only its length
+        # matters (seeds keyed on the output index, min_tokens), and no history is copied.
+        history = any(_reads_history(s.sampling_params) for s in states)
         rows = [
-            _DraftRow(s.sampling_params, _outputs_at(s.output_token_ids, d, j, history), s.num_prompt_tokens, s.token_ids)
+            _DraftRow(
+                s.sampling_params, _outputs_at(s.output_token_ids, d, j, history), s.num_prompt_tokens, s.token_ids,
+                s.logits_row,
+            )
             for s, d in zip(states, drafts)
             for j in range(len(d) + 1)
         ]
@@ -397,8 +401,11 @@ def _outputs_at(outputs: list[int], drafts, j: int, history: bool):
     return outputs + list(drafts[:j]) if history else _Length(len(outputs) + j)
 
 
-def _uses_penalties(p) -> bool:
-    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+def _reads_history(p) -> bool:
+    return (
+        p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+        or bool(p.bad_word_prefixes)
+    )
 
 
 def _split_logprobs(

@@ -23,6 +23,9 @@ class CachedRequestState:
     need_prompt_logprobs: bool
     output_token_ids: list[int] = field(default_factory=list)
     row: int = -1  # this request's row in the runner's CPU block table
+    # Its logit_bias / allowed_token_ids / one-token bad_words as one [vocab] row, built when
+    # it joins the runner (pagelm.sample.request_logits); None when it uses none of them.
+    logits_row: torch.Tensor | None = None
 
 
 @dataclass
