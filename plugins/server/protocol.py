@@ -49,8 +49,33 @@ OPENAI_CHAT_FIELDS = frozenset({
 })
 
 
-class StreamOptions(RequestPart):
+class StrictPart(RequestPart):
+    """A nested object whose every field pagelm knows: an unknown one is a 400 naming it
+    (a typo in ``continuous_usage_stats`` would otherwise silently do nothing)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(StrictPart):
     include_usage: bool = False
+    # vLLM: usage in every chunk (with include_usage), counting the tokens so far.
+    continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's; nothing to obfuscate here: ignored
+
+
+class StructuredOutputs(StrictPart):
+    """vLLM's ``structured_outputs`` (its newer name for guided decoding): one constraint."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # vLLM's options pagelm's backend does not take: a 400 naming them when set.
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
 
 class JsonSchemaFormat(RequestPart):
@@ -84,7 +109,13 @@ class SamplingFields(RequestBody):
     min_tokens: Count = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are) -> [-100, 100]
+    # vLLM's logits processors and prompt options
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: Count | None = None  # not with stream; at most the engine's max_logprobs
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:123"
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -94,8 +125,10 @@ class SamplingFields(RequestBody):
     # Per-request data for plugins (SamplingParams.extra_args); the openai client sends it
     # with extra_body={"extra_args": {...}}.
     extra_args: dict[str, Any] | None = None
-    # Structured output: OpenAI's response_format, or one of vLLM's guided_* fields.
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs, or one of its
+    # older guided_* fields.
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -131,7 +164,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call
     add_generation_prompt: bool = True
+    # vLLM: render the last (assistant) message open, for the model to continue it.
+    continue_final_message: bool = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -155,12 +191,26 @@ class CompletionLogprobs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIModel):
+    """One token's entry in vLLM's ``prompt_logprobs`` (its ``Logprob``)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position: token id -> its entry (the prompt's token and the top-k); None for the
+# first token, which nothing scores.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIModel):
@@ -226,6 +276,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class _DeltaPart(OpenAIModel):

@@ -44,9 +44,11 @@ from pagelm.plugins.server.protocol import (
     OPENAI_CHAT_FIELDS,
     OPENAI_COMPLETION_FIELDS,
     DeltaMessage,
+    PromptLogprob,
     PromptTokensDetails,
     RequestBody,
     SamplingFields,
+    StructuredOutputs,
     TopLogprob,
     Usage,
 )
@@ -56,9 +58,18 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 _SAMPLING_NAMES = {
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
-    "extra_args", "priority",
+    "extra_args", "priority", "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
 }
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# structured_outputs' options pagelm's structured-output backend does not take.
+_STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "structural_tag")
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (they are fields
+# of the request, or the server's to decide).
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+})
 
 
 class OpenAIServing:
@@ -101,10 +112,10 @@ class OpenAIServing:
         self, req: SamplingFields, *, max_tokens: int | None, max_tokens_name: str, logprobs: int | None,
         logprobs_name: str, prompt_logprobs: int | None = None, tools: ToolRequest | None = None,
     ) -> SamplingParams:
-        if req.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
         if req.stream_options is not None and not req.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        if req.stream and req.prompt_logprobs:  # vLLM's rule: they come with the final response
+            raise APIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         if not 0.0 <= req.temperature <= 2.0:
             raise APIError(f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
         if req.n > self.max_n:
@@ -119,7 +130,9 @@ class OpenAIServing:
             ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            guided_decoding=guided, extra_args=req.extra_args,
+            guided_decoding=guided, extra_args=req.extra_args, logit_bias=req.logit_bias,
+            allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
         try:
             params = SamplingParams(**kwargs)
@@ -140,10 +153,12 @@ class OpenAIServing:
     def guided_decoding(
         self, req: SamplingFields
     ) -> tuple[GuidedDecodingParams | None, tuple[str, str] | None]:
-        """The request's output constraint (``response_format`` or one ``guided_*`` field),
-        and (the field, the name to give it in errors): a bad schema, regex or grammar, which
-        the input processor finds, is a 400 naming the field."""
+        """The request's output constraint (``response_format``, ``structured_outputs`` or one
+        ``guided_*`` field), and (the field, the name to give it in errors): a bad schema,
+        regex or grammar, which the input processor finds, is a 400 naming the field."""
         given = [name for name in _GUIDED_FIELDS if getattr(req, name) is not None]
+        if req.structured_outputs is not None:
+            given.insert(0, "structured_outputs")
         fmt = req.response_format
         if fmt is not None and fmt.type != "text":
             given.insert(0, "response_format")
@@ -154,6 +169,8 @@ class OpenAIServing:
         name = given[0]
         where = "response_format.json_schema.schema" if name == "response_format" and fmt.type == "json_schema" else name
         try:
+            if name == "structured_outputs":
+                return _structured_outputs(req.structured_outputs)
             if name != "response_format":
                 params = GuidedDecodingParams(**{name.removeprefix("guided_"): getattr(req, name)})
             elif fmt.type == "json_object":
@@ -175,9 +192,14 @@ class OpenAIServing:
     ) -> ProcessedRequest:
         """The prompt checked by the input processor (``params`` are checked already), and
         within the context with its ``max_tokens``: what the engine queues as it is."""
-        token_ids, max_tokens = prompt["prompt_token_ids"], params.max_tokens
+        inputs, max_tokens = self.engine.engine.inputs, params.max_tokens
         try:
-            self.engine.engine.inputs.check_prompt(token_ids)
+            text, token_ids = inputs.truncate(prompt["prompt"], prompt["prompt_token_ids"], params)
+        except ValueError as exc:
+            raise APIError(str(exc), param="truncate_prompt_tokens") from None
+        prompt.update(prompt=text, prompt_token_ids=token_ids)  # echo shows what the model read
+        try:
+            inputs.check_prompt(token_ids)
         except ValueError as exc:
             raise APIError(str(exc), param=prompt_name) from None
         limit = self.engine.max_model_len
@@ -216,8 +238,10 @@ class OpenAIServing:
         for i, (prompt, out) in enumerate(zip(prompts, finals)):
             usage.add_prompt(out)
             for c in out.outputs:
-                usage.completion += len(c.token_ids)
-                choices.append(self._completion_choice(i * params.n + c.index, prompt, out, c, req, first=True))
+                usage.completion += _num_completion_tokens(c, req)
+                choice = self._completion_choice(i * params.n + c.index, prompt, out, c, req, first=True)
+                choice.prompt_logprobs = _prompt_logprobs(out.prompt_logprobs)
+                choices.append(choice)
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage.usage())
 
     def _completion_inputs(
@@ -228,13 +252,17 @@ class OpenAIServing:
             raise APIError("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of other than n is not supported", param="best_of")
-        echo_logprobs = req.logprobs if req.echo else None
+        prompt_logprobs = req.prompt_logprobs
+        if prompt_logprobs is None and req.echo:
+            prompt_logprobs = req.logprobs
         # An explicit null means the default, 16, as in vLLM and OpenAI's completions API (not
         # "up to the context length", which a client could repeat cheaply).
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        if _echo_only(req):  # as vLLM: one token is sampled and left out of the response
+            max_tokens = 1
         params = self.sampling_params(
             req, max_tokens=max_tokens, max_tokens_name="max_tokens", logprobs=req.logprobs,
-            logprobs_name="logprobs", prompt_logprobs=echo_logprobs,
+            logprobs_name="logprobs", prompt_logprobs=prompt_logprobs,
         )
         prompts = self._completion_prompts(req.prompt)
         return params, prompts, [self.check_prompt(p, params, req.priority, "prompt", "max_tokens") for p in prompts]
@@ -259,31 +287,40 @@ class OpenAIServing:
     def _completion_choice(
         self, index: int, prompt: dict, out: RequestOutput, c: CompletionOutput, req: CompletionRequest, first: bool
     ) -> CompletionChoice:
-        text, logprobs = c.text, None
+        """One choice: the completion (after the prompt, with ``echo``, in its ``first`` one);
+        ``echo`` with ``max_tokens`` 0 gives the prompt alone."""
+        text, token_ids, entries = ("", [], []) if _echo_only(req) else (c.text, c.token_ids, c.logprobs or [])
         echo = req.echo and first
         if echo:
             prompt_text = prompt["prompt"]
             if prompt_text is None:
                 prompt_text = self.tokenizer.decode(out.prompt_token_ids)
             text = prompt_text + text
+        as_ids, logprobs = bool(req.return_tokens_as_token_ids), None
         if req.logprobs is not None:
-            logprobs = CompletionLogprobs()
-            offset = 0
+            logprobs, offset = CompletionLogprobs(), 0
             if echo:
-                entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-                for token_id, entry in zip(out.prompt_token_ids, entries):
-                    offset = self._add_completion_logprob(logprobs, token_id, entry, req.logprobs, offset)
-            for token_id, entry in zip(c.token_ids, c.logprobs or []):
-                offset = self._add_completion_logprob(logprobs, token_id, entry, req.logprobs, offset)
+                prompt_entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+                for token_id, entry in zip(out.prompt_token_ids, prompt_entries):
+                    offset = self._add_completion_logprob(logprobs, token_id, entry, req.logprobs, offset, as_ids)
+            for token_id, entry in zip(token_ids, entries):
+                offset = self._add_completion_logprob(logprobs, token_id, entry, req.logprobs, offset, as_ids)
         return CompletionChoice(
             index=index, text=text, logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason
         )
 
     def _add_completion_logprob(
-        self, acc: CompletionLogprobs, token_id: int, entry: dict[int, Logprob] | None, k: int, offset: int
+        self, acc: CompletionLogprobs, token_id: int, entry: dict[int, Logprob] | None, k: int, offset: int,
+        as_ids: bool = False,
     ) -> int:
-        token = entry[token_id].decoded_token if entry and token_id in entry else self.tokenizer.decode([token_id])
-        token = token or ""
+        """``as_ids``: tokens as ``"token_id:123"`` (vLLM's ``return_tokens_as_token_ids``), which
+        any client can map back, where a token's text may be a fragment of a character."""
+        if as_ids:
+            token = f"token_id:{token_id}"
+        elif entry and token_id in entry:
+            token = entry[token_id].decoded_token or ""
+        else:
+            token = self.tokenizer.decode([token_id])
         acc.tokens.append(token)
         acc.text_offset.append(offset)
         if entry is None or token_id not in entry:
@@ -292,8 +329,8 @@ class OpenAIServing:
         else:
             acc.token_logprobs.append(_finite(entry[token_id].logprob))
             top: dict[str, float] = {}
-            for lp in _top(entry, token_id, k):  # most likely first: it keeps a shared text key
-                top.setdefault(lp.decoded_token or "", _finite(lp.logprob))
+            for tid, lp in _top_items(entry, token_id, k):  # most likely first: it keeps a shared text key
+                top.setdefault(f"token_id:{tid}" if as_ids else lp.decoded_token or "", _finite(lp.logprob))
             acc.top_logprobs.append(top)
         return offset + len(token)
 
@@ -303,18 +340,19 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         created, started = int(time.time()), set()
         usage = _UsageCounter()
+        per_choice = _ContinuousUsage(req)
         try:
             async with aclosing(outputs):  # closing it aborts what is still running
                 async for i, out in _prepend(first, outputs):
                     for c in out.outputs:
                         index = i * params.n + c.index
-                        usage.completion += len(c.token_ids)
+                        usage.completion += _num_completion_tokens(c, req)
                         choice = self._completion_choice(index, prompts[i], out, c, req, first=index not in started)
                         started.add(index)
-                        chunk = CompletionResponse(
-                            id=request_id, created=created, model=self.model_name, choices=[choice]
-                        )
-                        yield _event(chunk)
+                        yield _event(CompletionResponse(
+                            id=request_id, created=created, model=self.model_name, choices=[choice],
+                            usage=per_choice.add(index, out, _num_completion_tokens(c, req)),
+                        ))
                     if out.finished:
                         usage.add_prompt(out)
             if req.stream_options and req.stream_options.include_usage:
@@ -348,16 +386,20 @@ class OpenAIServing:
         usage = _UsageCounter()
         usage.add_prompt(out)
         choices = []
+        as_ids = bool(req.return_tokens_as_token_ids)
         for c in out.outputs:
             usage.completion += len(c.token_ids)
             message, finish_reason = ChatResponseMessage(content=c.text), c.finish_reason
             if tools is not None:
                 message, finish_reason = tools.message(c.text, c.finish_reason)
             choices.append(ChatChoice(
-                index=c.index, message=message, logprobs=self._chat_logprobs(c, logprobs),
+                index=c.index, message=message, logprobs=self._chat_logprobs(c, logprobs, as_ids),
                 finish_reason=finish_reason, stop_reason=c.stop_reason,
             ))
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage.usage())
+        return ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=usage.usage(),
+            prompt_logprobs=_prompt_logprobs(out.prompt_logprobs),
+        )
 
     def _chat_inputs(self, req: ChatCompletionRequest) -> tuple[ProcessedRequest, ToolRequest | None]:
         """The request's parameters and rendered prompt, tokenized and checked, and its tool
@@ -371,12 +413,15 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(
             req, max_tokens=max_tokens, max_tokens_name=max_name, logprobs=logprobs, logprobs_name="top_logprobs",
-            tools=tools,
+            tools=tools, prompt_logprobs=req.prompt_logprobs,
         )
         prompt = self._chat_prompt(req, tools.tools if tools else None)
         return self.check_prompt(prompt, params, req.priority, "messages", max_name), tools
 
     def _chat_prompt(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The conversation rendered with the chat template (with ``tools``, and the request's
+        ``chat_template_kwargs``), ending in a generation prompt, or, with
+        ``continue_final_message``, in the last message left open for the model to continue."""
         if req.chat_template is not None and not self.trust_request_chat_template:
             # A template is code run on the server (Jinja): a nested loop in one stalled it.
             raise APIError(
@@ -392,30 +437,49 @@ class OpenAIServing:
                     raise APIError("only text content parts are supported", param=f"messages.{i}.content")
                 content = "".join(str(part.get("text", "")) for part in content)
             messages.append(template_message(m, i, {"role": m.role, "content": content or ""}))
+        add_generation_prompt = req.add_generation_prompt
+        if req.continue_final_message:
+            if "add_generation_prompt" in req.model_fields_set and add_generation_prompt:
+                raise APIError(  # vLLM's rule: the two contradict each other
+                    "continue_final_message and add_generation_prompt cannot both be true",
+                    param="continue_final_message",
+                )
+            add_generation_prompt = False
+        template_kwargs = req.chat_template_kwargs or {}
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
+        if reserved:
+            raise APIError(
+                f"chat_template_kwargs may not set {', '.join(reserved)} (a request field or the server's)",
+                param="chat_template_kwargs",
+            )
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                chat_template=req.chat_template, **({"tools": tools} if tools else {}),
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+                **({"tools": tools} if tools else {}), **template_kwargs,
             )
         except Exception as exc:
             raise APIError(f"cannot apply the chat template: {exc}", param="messages") from None
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
-    def _chat_logprobs(self, c: CompletionOutput, k: int | None) -> ChatLogprobs | None:
+    def _chat_logprobs(self, c: CompletionOutput, k: int | None, as_ids: bool = False) -> ChatLogprobs | None:
+        """``as_ids``: every token as ``"token_id:123"`` (``return_tokens_as_token_ids``)."""
         if k is None:
             return None
         content = []
         for token_id, entry in zip(c.token_ids, c.logprobs or []):
             chosen = entry.get(token_id)
-            token = (chosen.decoded_token if chosen else None) or self.tokenizer.decode([token_id])
+            if as_ids:
+                token = f"token_id:{token_id}"
+            else:
+                token = (chosen.decoded_token if chosen else None) or self.tokenizer.decode([token_id])
+            top = []
+            for tid, lp in _top_items(entry, token_id, k) if k else ():
+                text = f"token_id:{tid}" if as_ids else lp.decoded_token or ""
+                top.append(TopLogprob(token=text, logprob=_finite(lp.logprob), bytes=list(text.encode())))
             content.append(ChatTokenLogprob(
-                token=token, logprob=_finite(chosen.logprob if chosen else -math.inf),
-                bytes=list(token.encode()),
-                top_logprobs=[
-                    TopLogprob(token=lp.decoded_token or "", logprob=_finite(lp.logprob),
-                               bytes=list((lp.decoded_token or "").encode()))
-                    for lp in _top(entry, token_id, k)
-                ] if k else [],
+                token=token, logprob=_finite(chosen.logprob if chosen else -math.inf), bytes=list(token.encode()),
+                top_logprobs=top,
             ))
         return ChatLogprobs(content=content)
 
@@ -432,11 +496,15 @@ class OpenAIServing:
             ))
 
         params = prompt.params
-        logprobs = params.logprobs
+        logprobs, as_ids = params.logprobs, bool(req.return_tokens_as_token_ids)
         streams = [tools.stream() if tools else None for _ in range(params.n)]
+        per_choice = _ContinuousUsage(req)
         try:
             for index in range(params.n):
-                yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+                yield chunk(
+                    [ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
+                    per_choice.add(index, first, 0),
+                )
             async with aclosing(outputs):
                 async for out in _prepend(first, outputs):
                     for c in out.outputs:
@@ -448,9 +516,9 @@ class OpenAIServing:
                                 continue
                         yield chunk([ChatStreamChoice(
                             index=c.index, delta=delta or DeltaMessage(),
-                            logprobs=self._chat_logprobs(c, logprobs), finish_reason=finish_reason,
+                            logprobs=self._chat_logprobs(c, logprobs, as_ids), finish_reason=finish_reason,
                             stop_reason=c.stop_reason,
-                        )])
+                        )], per_choice.add(c.index, out, len(c.token_ids)))
                     if out.finished:
                         usage.add_prompt(out)
             if req.stream_options and req.stream_options.include_usage:
@@ -474,6 +542,18 @@ class OpenAIServing:
 # ---- helpers ----------------------------------------------------------------------------------
 
 
+def _structured_outputs(so: StructuredOutputs) -> tuple[GuidedDecodingParams, tuple[str, str]]:
+    """vLLM's ``structured_outputs`` as pagelm's constraint; its options the backend does not
+    take are a 400 naming them rather than ignored."""
+    for option in _STRUCTURED_OPTIONS:
+        if getattr(so, option) not in (None, False):
+            raise APIError(f"structured_outputs.{option} is not supported", param="structured_outputs")
+    kinds = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+             "json_object": so.json_object}
+    params = GuidedDecodingParams(**{k: v for k, v in kinds.items() if v not in (None, False)})
+    return params, ("structured_outputs", f"structured_outputs.{params.kind}")
+
+
 class _UsageCounter:
     def __init__(self) -> None:
         self.prompt = self.completion = self.cached = 0
@@ -494,11 +574,52 @@ def _finite(x: float) -> float:
     return max(x, -9999.0)
 
 
-def _top(entry: dict[int, Logprob], chosen: int, k: int) -> list[Logprob]:
-    """The k most likely tokens of one position (with k = 0: the chosen one)."""
+def _top_items(entry: dict[int, Logprob], chosen: int, k: int) -> list[tuple[int, Logprob]]:
+    """(token id, logprob) of the k most likely tokens of one position (with k = 0: the
+    chosen one)."""
     if k == 0:
-        return [entry[chosen]] if chosen in entry else []
-    return sorted(entry.values(), key=lambda lp: -lp.logprob)[:k]
+        return [(chosen, entry[chosen])] if chosen in entry else []
+    return sorted(entry.items(), key=lambda item: -item[1].logprob)[:k]
+
+
+def _echo_only(req: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens`` 0: the prompt (and its logprobs) alone, as in vLLM."""
+    return req.echo and req.max_tokens == 0
+
+
+def _num_completion_tokens(c: CompletionOutput, req: SamplingFields) -> int:
+    """Tokens the response holds for this completion (none when the prompt is echoed alone)."""
+    return 0 if isinstance(req, CompletionRequest) and _echo_only(req) else len(c.token_ids)
+
+
+def _prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+    """``RequestOutput.prompt_logprobs`` in vLLM's response shape (-inf as -9999, JSON has none)."""
+    if entries is None:
+        return None
+    return [
+        None if entry is None else {
+            token_id: PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+            for token_id, lp in entry.items()
+        }
+        for entry in entries
+    ]
+
+
+class _ContinuousUsage:
+    """``stream_options.continuous_usage_stats`` (with ``include_usage``, as vLLM): every chunk
+    carries the usage of its choice so far; otherwise ``add`` returns None (no usage field)."""
+
+    def __init__(self, req: SamplingFields) -> None:
+        options = req.stream_options
+        self.on = options is not None and options.include_usage and options.continuous_usage_stats
+        self.completion: dict[int, int] = {}
+
+    def add(self, index: int, out: RequestOutput, num_tokens: int) -> Usage | None:
+        if not self.on:
+            return None
+        done = self.completion[index] = self.completion.get(index, 0) + num_tokens
+        prompt = len(out.prompt_token_ids)
+        return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
 
 
 def _event(model) -> str:
