@@ -95,8 +95,12 @@ class LLM:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to conversations rendered with the tokenizer's chat template."""
+        """Generate replies to conversations rendered with the tokenizer's chat template (with
+        ``chat_template_kwargs`` as more template variables). ``continue_final_message``: leave
+        the last message open for the model to continue, instead of a generation prompt."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
@@ -104,7 +108,8 @@ class LLM:
         prompts = []
         for conv in conversations:
             text = tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, chat_template=chat_template, **(chat_template_kwargs or {}),
             )
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})

@@ -171,6 +171,17 @@ def test_truncate_prompt_tokens_minus_one_fits_the_context(llama_dir):
         assert out.prompt_token_ids == prompt[-28:] and len(out.outputs[0].token_ids) == 4
 
 
+def test_chat_continues_the_final_message_and_takes_template_kwargs(llm):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def greet(name):"}]
+    out = llm.chat(messages, greedy(2), continue_final_message=True, use_tqdm=False)[0]
+    assert out.prompt.endswith("<|im_start|>assistant\ndef greet(name):")  # open: no <|im_end|>
+    assert out.prompt == llm.get_tokenizer().apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    out = llm.chat(messages[:1], greedy(1), chat_template=template, chat_template_kwargs={"greeting": "Hey "},
+                   use_tqdm=False)[0]
+    assert out.prompt == "Hey hi"
+
+
 # ---- validation -------------------------------------------------------------------------------
 
 

@@ -34,7 +34,7 @@ def build_logits_row(params: SamplingParams, vocab_size: int, device: torch.devi
         row = torch.full((vocab_size,), float("-inf"), dtype=torch.float32, device=device)
         row.index_fill_(0, _ids(allowed, device), 0.0)
     if bias:
-        row.index_put_((_ids(list(bias), device),), _values(list(bias.values()), device), accumulate=True)
+        row.index_add_(0, _ids(list(bias), device), _values(list(bias.values()), device))  # ids unique: dict keys
     if banned:
         row.index_fill_(0, _ids(banned, device), float("-inf"))
     return row
