@@ -40,6 +40,7 @@ def server(model_dir):
     with running_server(
         str(model_dir), "--served-model-name", MODEL, "--num-kv-blocks", "256", "--max-model-len", "128",
         "--dtype", "float32", "--plugin-config", '{"xgrammar": {"any_whitespace": false}}',
+        "--max-num-batched-tokens", "32",  # prompts past 32 tokens are prefilled in chunks
     ) as url:
         yield url
 
@@ -167,6 +168,20 @@ def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs(client, serv
     streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, stream=True))
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == PROMPT
     assert post(server, "completions", {"prompt": "x", "max_tokens": 0}).status_code == 400  # no echo: nothing to return
+
+
+def test_streamed_echo_of_a_chunked_prompt_carries_every_prompt_logprob(client, hf_logprobs):
+    """A 70-token prompt is prefilled in three chunks; echo still streams all of it, scored."""
+    prompt = [(7 * i) % 500 + 5 for i in range(70)]
+    ref = hf_logprobs(prompt)
+    for max_tokens in (0, 2):
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=0,
+                                                stream=True, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}))
+        lps = [ch.choices[0].logprobs for ch in chunks if ch.choices]
+        ids = [i for lp in lps for i in ids_of(lp)]
+        values = [v for lp in lps for v in lp.token_logprobs]
+        assert ids[:70] == prompt and len(ids) == 70 + max_tokens and values[0] is None
+        assert values[1:70] == pytest.approx([ref[i - 1, prompt[i]].item() for i in range(1, 70)], abs=1e-4)
 
 
 def test_return_tokens_as_token_ids_gives_the_ids_of_the_text(client, tokenizer):

@@ -345,6 +345,10 @@ class OpenAIServing:
             async with aclosing(outputs):  # closing it aborts what is still running
                 async for i, out in _prepend(first, outputs):
                     for c in out.outputs:
+                        if not c.token_ids and c.finish_reason is None:
+                            # A prefill chunk's prompt logprobs (chunked prefill): they come whole
+                            # with the first token, where echo shows them (as vLLM, no empty chunk).
+                            continue
                         index = i * params.n + c.index
                         usage.completion += _num_completion_tokens(c, req)
                         choice = self._completion_choice(index, prompts[i], out, c, req, first=index not in started)
