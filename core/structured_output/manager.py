@@ -428,7 +428,7 @@ class StructuredOutputManager:
         lag = self._lag.pop(request.request_id, None)
         if lag:
             if not request.grammar.accept_tokens(lag) and request.error is None:
-                request.error = f"guided_decoding: sampled token(s) {lag} are not allowed by the grammar"
+                request.error = self._rejection(request, lag)
 
     # ---- the worker ----------------------------------------------------------------------
     def _stage(self) -> tuple[list["Request"], list[list[int]], torch.Tensor]:
@@ -480,7 +480,17 @@ class StructuredOutputManager:
     def _take(self, result: tuple[list[str], list[tuple["Request", list[int]]]]) -> None:
         self._staged_ids, rejected = result
         for request, token_ids in rejected:
-            request.error = f"guided_decoding: sampled token(s) {token_ids} are not allowed by the grammar"
+            request.error = self._rejection(request, token_ids)
+
+    def _rejection(self, request: "Request", token_ids: list[int]) -> str:
+        """Why ``request``'s grammar rejected its sampled tokens. A grammar that allows no
+        token at all (a JSON schema whose ``$ref`` loops on itself matches no text) leaves
+        every logit masked, so whatever was sampled is rejected: say that, not "token 0"."""
+        row = torch.zeros((1, cdiv(self.vocab_size, 32)), dtype=torch.int32)
+        request.grammar.fill_bitmask(row, 0)
+        if not bool(row.any()):
+            return "guided_decoding: the output constraint allows no token here (it matches no text)"
+        return f"guided_decoding: sampled token(s) {token_ids} are not allowed by the grammar"
 
     def _rows_buffer(self, buffer: torch.Tensor | None, n: int) -> torch.Tensor:
         """A persistent ``[rows, words]`` bitmask with at least ``n`` rows."""

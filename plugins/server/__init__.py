@@ -7,3 +7,10 @@ OpenAI-format errors."""
 DEFAULT_MAX_N = 128
 # Largest request body (``--max-request-body-bytes``): a 413 beyond it, before it is read.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+# Stop strings one request may give (``--max-stop-strings``): each is searched for after every
+# token, in the API process; 10,000 of them cost every other stream there.
+DEFAULT_MAX_STOP_STRINGS = 128
+# Largest request head, the request line and headers (``--max-header-bytes``): a 431 beyond
+# it. httptools has no limit of its own, so a 1 GB header was read into memory (vLLM's
+# CVE-2025-48956 class).
+DEFAULT_MAX_HEADER_BYTES = 64 << 10

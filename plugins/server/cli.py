@@ -14,7 +14,9 @@ import logging
 import os
 
 from pagelm.cli.engine_args import add_engine_args, engine_kwargs
-from pagelm.plugins.server import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagelm.plugins.server import (
+    DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_STOP_STRINGS,
+)
 
 logger = logging.getLogger("pagelm")
 
@@ -51,6 +53,15 @@ def add_parser(sub) -> None:
     server.add_argument(
         "--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help=f"larger request bodies are a 413 (default: {DEFAULT_MAX_REQUEST_BODY_BYTES})",
+    )
+    server.add_argument(
+        "--max-header-bytes", type=_positive_int, default=DEFAULT_MAX_HEADER_BYTES,
+        help=f"larger request heads (request line + headers), or more than 256 headers, are a 431 "
+        f"(default: {DEFAULT_MAX_HEADER_BYTES})",
+    )
+    server.add_argument(
+        "--max-stop-strings", type=_positive_int, default=DEFAULT_MAX_STOP_STRINGS,
+        help=f"most stop strings one request may give (default: {DEFAULT_MAX_STOP_STRINGS})",
     )
     server.add_argument(
         "--trust-request-chat-template", action="store_true",
@@ -135,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from pagelm.config import EngineConfig
     from pagelm.engine.async_llm import AsyncLLM
     from pagelm.plugins.server.app import build_app
+    from pagelm.plugins.server.http_limits import uvicorn_http_options
 
     level = getattr(logging, args.log_level.upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(message)s")
@@ -154,13 +166,13 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(
         engine, api_key=args.api_key, allow_unknown_fields=args.allow_unknown_fields, max_n=args.max_n,
         trust_request_chat_template=args.trust_request_chat_template,
-        max_request_body_bytes=args.max_request_body_bytes, tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        max_request_body_bytes=args.max_request_body_bytes, max_stop_strings=args.max_stop_strings,
+        tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
     )
     server = _draining_server_class()(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,
-        timeout_graceful_shutdown=args.shutdown_timeout + 2,
+        timeout_graceful_shutdown=args.shutdown_timeout + 2, **uvicorn_http_options(args.max_header_bytes),
     ), engine, args.shutdown_timeout)
     print(
         f"pagelm: serving {engine.model_name!r} on http://{args.host}:{args.port}; try:\n"

@@ -26,7 +26,7 @@ from pagelm.engine.input_processor import ProcessedRequest
 from pagelm.engine.output_processor import OutputKind
 from pagelm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagelm.sampling_params import GuidedDecodingParams, SamplingParams
-from pagelm.plugins.server import DEFAULT_MAX_N
+from pagelm.plugins.server import DEFAULT_MAX_N, DEFAULT_MAX_STOP_STRINGS
 from pagelm.plugins.server.errors import APIError, param_of
 from pagelm.plugins.server.protocol import (
     ChatChoice,
@@ -75,11 +75,13 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 class OpenAIServing:
     def __init__(
         self, engine: AsyncLLM, model_name: str, *, allow_unknown_fields: bool = False, max_n: int = DEFAULT_MAX_N,
-        trust_request_chat_template: bool = False, tool_calling: ToolCalling | None = None,
+        trust_request_chat_template: bool = False, max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS,
+        tool_calling: ToolCalling | None = None,
     ) -> None:
         self.engine = engine
         self.allow_unknown_fields = allow_unknown_fields
         self.max_n = max_n
+        self.max_stop_strings = max_stop_strings
         self.trust_request_chat_template = trust_request_chat_template
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
@@ -98,8 +100,10 @@ class OpenAIServing:
         ``--allow-unknown-fields`` restores ignoring them for clients that send extras."""
         unknown = sorted(set(req.model_extra or ()) - openai_fields)
         if unknown and not self.allow_unknown_fields:
+            # A few names, not all: a body of 100,000 made-up fields made a 1 MB error.
+            names = ", ".join(unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
             raise APIError(
-                f"unknown field(s): {', '.join(unknown)} (start the server with --allow-unknown-fields "
+                f"unknown field(s): {names} (start the server with --allow-unknown-fields "
                 "to ignore fields it does not know)",
                 param=unknown[0],
             )
@@ -120,6 +124,13 @@ class OpenAIServing:
             raise APIError(f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
         if req.n > self.max_n:
             raise APIError(f"n must be at most {self.max_n} (the server's --max-n), got {req.n}", param="n")
+        if isinstance(req.stop, list) and len(req.stop) > self.max_stop_strings:
+            # Each is searched for after every token of the request, in this process.
+            raise APIError(
+                f"stop must hold at most {self.max_stop_strings} strings (the server's --max-stop-strings), "
+                f"got {len(req.stop)}",
+                param="stop",
+            )
         guided, guided_field = self.guided_decoding(req)
         if tools is not None:
             guided, guided_field = tools.constrain(guided, guided_field)
@@ -186,6 +197,27 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(re.sub(r"^guided_decoding(\.\w+)?", where, str(exc)), param=name) from None
         return params, (name, where)
+
+    def guided_source(self, req: SamplingFields) -> tuple[str, str] | None:
+        """(the field that set the request's output constraint, the name errors give it)."""
+        fmt = req.response_format
+        if fmt is not None and fmt.type != "text":
+            return "response_format", (
+                "response_format.json_schema.schema" if fmt.type == "json_schema" else "response_format"
+            )
+        name = next((name for name in _GUIDED_FIELDS if getattr(req, name) is not None), None)
+        return None if name is None else (name, name)
+
+    def request_error(self, exc: BaseException, req: SamplingFields) -> BaseException:
+        """An error the engine found in a request after it was queued, named after the field
+        that caused it: a grammar that did not compile within the time limit, or one that
+        allows no token ("guided_decoding: ..." -> "guided_json: ...", param guided_json)."""
+        message = str(exc)
+        source = self.guided_source(req) if isinstance(exc, ValueError) and message.startswith("guided_decoding") else None
+        if source is None:
+            return exc
+        name, where = source
+        return APIError(re.sub(r"^guided_decoding(\.\w+)?", where, message), param=name)
 
     def check_prompt(
         self, prompt: dict[str, Any], params: SamplingParams, priority: int, prompt_name: str, max_tokens_name: str
@@ -364,7 +396,7 @@ class OpenAIServing:
                     id=request_id, created=created, model=self.model_name, choices=[], usage=usage.usage()
                 ))
         except Exception as exc:  # mid-stream: the status line is gone, say it in the stream
-            yield _error_event(exc)
+            yield _error_event(self.request_error(exc, req))
         yield "data: [DONE]\n\n"
 
     # ---- chat completions -----------------------------------------------------------------
@@ -382,9 +414,12 @@ class OpenAIServing:
             outputs = self.engine.generate(prompt, prompt.params, request_id, cache_salt=req.cache_salt)
             try:
                 first = await outputs.__anext__()
-            except BaseException:
+            except BaseException as exc:
                 await outputs.aclose()  # aborts it
-                raise
+                error = self.request_error(exc, req)
+                if error is exc:
+                    raise
+                raise error from None
             return _sse(self._chat_stream(request_id, prompt, req, outputs, first, tools))
         out = (await _gather([self._final(prompt, request_id, req)]))[0]
         usage = _UsageCounter()
@@ -439,7 +474,10 @@ class OpenAIServing:
             if isinstance(content, list):
                 if any(part.get("type") != "text" for part in content):
                     raise APIError("only text content parts are supported", param=f"messages.{i}.content")
-                content = "".join(str(part.get("text", "")) for part in content)
+                bad = next((j for j, part in enumerate(content) if not isinstance(part.get("text"), str)), None)
+                if bad is not None:  # a number was once rendered as its digits
+                    raise APIError(f"messages.{i}.content.{bad}.text must be a string", param=f"messages.{i}.content")
+                content = "".join(part["text"] for part in content)
             messages.append(template_message(m, i, {"role": m.role, "content": content or ""}))
         add_generation_prompt = req.add_generation_prompt
         if req.continue_final_message:
@@ -528,16 +566,22 @@ class OpenAIServing:
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk([], usage.usage())
         except Exception as exc:
-            yield _error_event(exc)
+            yield _error_event(self.request_error(exc, req))
         yield "data: [DONE]\n\n"
 
     # ---- running requests -----------------------------------------------------------------
     async def _final(self, prompt: ProcessedRequest, request_id: str, req: SamplingFields) -> RequestOutput:
         final = None
-        async for out in self.engine.generate(
-            prompt, prompt.params, request_id, cache_salt=req.cache_salt, output_kind=OutputKind.FINAL_ONLY,
-        ):
-            final = out
+        try:
+            async for out in self.engine.generate(
+                prompt, prompt.params, request_id, cache_salt=req.cache_salt, output_kind=OutputKind.FINAL_ONLY,
+            ):
+                final = out
+        except ValueError as exc:
+            error = self.request_error(exc, req)
+            if error is exc:
+                raise
+            raise error from None
         if final is None:
             raise APIError("the request was aborted", 500)
         return final
