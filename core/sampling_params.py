@@ -260,11 +260,15 @@ class SamplingParams:
 
     def to_wire(self) -> dict:
         """Plain data for msgpack (another process, another rank); ``SamplingParams(**d)``
-        rebuilds it. ``all_stop_token_ids`` is derived from ``stop_token_ids`` there again."""
+        rebuilds it. ``all_stop_token_ids`` is derived from ``stop_token_ids`` there again.
+        A JSON schema goes as its JSON text: it may hold integers past 64 bits (valid JSON, an
+        ``enum`` of 10**30), which msgpack cannot carry (that was a 500 at the server)."""
         data = dataclasses.asdict(self)
         del data["all_stop_token_ids"], data["structured_outputs"]  # the same as guided_decoding
         if self.logit_bias is not None:  # msgpack maps on the wire have string keys, as JSON's
             data["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        if self.guided_decoding is not None and isinstance(self.guided_decoding.json, dict):
+            data["guided_decoding"]["json"] = self.guided_decoding.spec
         return data
 
 

@@ -590,8 +590,13 @@ def test_outputs_are_the_same_whether_the_bitmask_is_prepared_ahead_or_inline(ll
 def test_guided_params_cross_the_engine_core_wire_format():
     params = SamplingParams(guided_decoding=GuidedDecodingParams(json={"type": "object", "properties": {"b": {}, "a": {}}}))
     request = decode_request(encode_request(Request("r", [5], params)))
-    assert request.sampling_params.guided_decoding == params.guided_decoding
-    assert request.sampling_params.guided_decoding.spec == '{"type":"object","properties":{"b":{},"a":{}}}'
+    crossed = request.sampling_params.guided_decoding
+    # The schema crosses as its JSON text (msgpack has no integers past 64 bits; JSON has).
+    assert (crossed.kind, crossed.spec) == ("json", '{"type":"object","properties":{"b":{},"a":{}}}')
+    big = SamplingParams(guided_decoding=GuidedDecodingParams(json={"enum": [10**30]}))
+    assert decode_request(encode_request(Request("r", [5], big))).sampling_params.guided_decoding.spec == (
+        '{"enum":[1000000000000000000000000000000]}'
+    )
 
 
 def test_json_object_accepts_any_object_and_nothing_else(backend):
