@@ -65,6 +65,10 @@ class EngineConfig:
     # No tokenizer at all (vLLM's name): prompts must be token ids and outputs carry token ids
     # with empty text. For model directories without tokenizer files (benchmark presets).
     skip_tokenizer_init: bool = False
+    # Let a model directory's own Python code (``auto_map`` in config.json or
+    # tokenizer_config.json) run while its config and tokenizer load, as vLLM's flag. Off:
+    # such a model is an error, and transformers never asks on the terminal.
+    trust_remote_code: bool = False
     # Guided decoding: the registered backend that compiles grammars (checked at start-up;
     # its library only when a request first uses it), the compiled-grammar cache's memory
     # bound, and how long one compile may take before its requests fail.

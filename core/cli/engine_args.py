@@ -42,6 +42,8 @@ _HELP = {
     "async_scheduling": "--async-scheduling: schedule the next step while one runs on the device (also on CPU); "
     "--no-async-scheduling: never (unset: with CUDA graphs, without speculative decoding)",
     "skip_tokenizer_init": "load no tokenizer: prompts must be token ids, outputs have no text",
+    "trust_remote_code": "run a model directory's own Python code (auto_map) to load its config and tokenizer "
+    "(default: off, such a model is an error)",
     "structured_output_backend": "registered guided-decoding backend name (see `pagelm plugins`)",
     "structured_output_cache_bytes": "memory bound of the compiled-grammar cache, in bytes",
     "structured_output_compile_timeout": "seconds one grammar may take to compile before its requests fail",

@@ -64,7 +64,7 @@ class EngineCore:
 
         config.model = loader.resolve(config.model)  # a hub id becomes its local snapshot
         path = Path(config.model)
-        self.hf_config = AutoConfig.from_pretrained(path)
+        self.hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.hf_config)
         self.max_model_len = self._max_model_len()

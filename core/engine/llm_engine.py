@@ -48,7 +48,8 @@ class LLMEngine:
             config.model = get_plugin_manager().model_loaders().get(config.load_format).resolve(config.model)
         model_dir = Path(config.model).expanduser()
         self.tokenizer = (
-            None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+            None if config.skip_tokenizer_init
+            else AutoTokenizer.from_pretrained(config.tokenizer or config.model, trust_remote_code=config.trust_remote_code)
         )
         eos = load_eos_token_ids(model_dir, self.tokenizer) if model_dir.is_dir() else frozenset()
         self.core_factory, self.eos_token_ids = core_factory, eos

@@ -200,5 +200,5 @@ def build_backend(
         raise ValueError(f"structured_output_backend={backend_cls.name!r}: " + "; ".join(problems))
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model, trust_remote_code=config.trust_remote_code)
     return backend_cls(config, tokenizer, vocab_size, eos_token_ids)

@@ -66,7 +66,7 @@ def run_worker(message: bytes, rank: int, world_size: int, init_method: str, rec
     device = rank_device(config, rank)
     init_distributed(rank, world_size, init_method, device, config.distributed_timeout)
     try:
-        hf_config = AutoConfig.from_pretrained(config.model)
+        hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
         runner, _ = load_runner(config, hf_config, device, getattr(torch, dtype), frozenset(eos), max_model_len)
         while True:
             try:

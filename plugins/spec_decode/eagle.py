@@ -103,7 +103,7 @@ def load_eagle_head(path: Path, target: nn.Module, device: torch.device, dtype: 
     give it the target's embedding (unless it has its own)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)  # a head is one of pagelm's own architectures
     weights = dict(_iterate_weights(path))
     names = {name.removeprefix("model.") for name in weights}
     config.eagle_fc_bias = "fc.bias" in names

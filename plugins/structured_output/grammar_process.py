@@ -22,8 +22,10 @@ added before the process was ready, a grammar it is still compiling; drafts to c
 process dies, the engine core does all the work itself from then on.
 
 The process is started with ``python -m`` (not ``multiprocessing``: its spawn would re-import
-the user's ``__main__``), talks over two pipes (``multiprocessing.connection`` framing), and
-ends when the engine closes the pipe. Its bitmask is a file in ``/dev/shm`` that both map; on
+the user's ``__main__``), talks over two pipes (``multiprocessing.connection`` framing of
+msgpack messages, never pickle: the backend class goes by its import path, the config as
+plain data, a constraint as its kind and canonical spec), and ends when the engine closes
+the pipe. Its bitmask is a file in ``/dev/shm`` that both map; on
 CUDA machines the engine registers it as pinned memory, so its upload stays asynchronous.
 """
 
@@ -31,10 +33,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
+import importlib
+import json
 import logging
 import mmap
 import os
-import pickle
 import subprocess
 import sys
 import tempfile
@@ -42,13 +46,14 @@ import weakref
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import torch
 
+from pagelm.config import EngineConfig
+from pagelm.sampling_params import GuidedDecodingParams
 from pagelm.structured_output.backend import GrammarOffload, build_backend
 
 if TYPE_CHECKING:
-    from pagelm.config import EngineConfig
-    from pagelm.sampling_params import GuidedDecodingParams
     from pagelm.structured_output.backend import StructuredOutputBackend
 
 logger = logging.getLogger("pagelm")
@@ -64,6 +69,39 @@ def _map(path: str, nbytes: int) -> mmap.mmap:
         return mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
+
+
+class _Wire:
+    """One direction of a pipe carrying msgpack messages (lists of plain data)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def send(self, message: list) -> None:
+        self.conn.send_bytes(msgpack.packb(message))
+
+    def recv(self) -> list:
+        return msgpack.unpackb(self.conn.recv_bytes())
+
+    def poll(self, timeout: float) -> bool:
+        return self.conn.poll(timeout)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _constraint(params: "GuidedDecodingParams") -> list[str]:
+    """A constraint as [kind, canonical spec]: also a JSON schema holding integers past 64
+    bits (valid JSON) crosses msgpack as text."""
+    return [params.kind, params.spec]
+
+
+def _params(kind: str, spec: str) -> "GuidedDecodingParams":
+    if kind == "json_object":
+        return GuidedDecodingParams(json_object=True)
+    if kind == "choice":
+        return GuidedDecodingParams(choice=json.loads(spec))
+    return GuidedDecodingParams(**{kind: spec})
 
 
 def _bitmask_view(buffer: mmap.mmap, rows: int, words: int) -> torch.Tensor:
@@ -107,11 +145,13 @@ class GrammarProcess(GrammarOffload):
         )
         os.close(to_child_r)
         os.close(from_child_w)
-        self._send = Connection(to_child_w, readable=False)
-        self._recv = Connection(from_child_r, writable=False)
-        init = (backend_cls, config, vocab_size, eos_token_ids, self._path, rows, words)
-        self._send.send_bytes(pickle.dumps(list(sys.path)))  # before the classes in init unpickle
-        self._send.send_bytes(pickle.dumps(init))
+        self._send = _Wire(Connection(to_child_w, readable=False))
+        self._recv = _Wire(Connection(from_child_r, writable=False))
+        backend_path = f"{backend_cls.__module__}:{backend_cls.__qualname__}"
+        self._send.send([
+            list(sys.path), backend_path, dataclasses.asdict(config), vocab_size, sorted(eos_token_ids),
+            self._path, rows, words,
+        ])
         self._ready = False
         self.alive = True
 
@@ -129,13 +169,13 @@ class GrammarProcess(GrammarOffload):
         return self._ready and self.alive
 
     def add(self, slot: int, params: "GuidedDecodingParams") -> None:
-        self._post(("add", slot, params))
+        self._post(["add", slot, *_constraint(params)])
 
     def release(self, slot: int) -> None:
-        self._post(("release", slot))
+        self._post(["release", slot])
 
     def step(self, slots: list[int], tokens: list[list[int]]) -> None:
-        self._post(("step", slots, tokens))
+        self._post(["step", slots, tokens])
 
     def result(self) -> tuple[list[int] | None, list[int]]:
         if self.alive:
@@ -145,7 +185,7 @@ class GrammarProcess(GrammarOffload):
                 self._died(repr(exc))
         return None, []
 
-    def _post(self, message: tuple) -> None:
+    def _post(self, message: list) -> None:
         if self.alive:
             try:
                 self._send.send(message)
@@ -259,18 +299,23 @@ class _Mirror:
                 self.grammars[slot] = grammar
 
 
-def serve(recv: Connection, send: Connection) -> None:
-    sys.path[:] = pickle.loads(recv.recv_bytes())
-    backend_cls, config, vocab_size, eos_token_ids, path, rows, words = pickle.loads(recv.recv_bytes())
+def serve(recv: _Wire, send: _Wire) -> None:
+    search_path, backend_path, config_data, vocab_size, eos_token_ids, path, rows, words = recv.recv()
+    sys.path[:] = search_path  # before the backend's module is imported
     buffer = _map(path, rows * words * 4)
     os.unlink(path)  # both sides map it now; the memory goes with the last mapping
     try:
-        backend = build_backend(backend_cls, config, vocab_size, eos_token_ids)
+        module, _, qualname = backend_path.partition(":")
+        backend_cls = importlib.import_module(module)
+        for name in qualname.split("."):
+            backend_cls = getattr(backend_cls, name)
+        config = EngineConfig(**config_data)
+        backend = build_backend(backend_cls, config, vocab_size, frozenset(eos_token_ids))
     except Exception as exc:
-        send.send(("failed", f"{type(exc).__name__}: {exc}"))
+        send.send(["failed", f"{type(exc).__name__}: {exc}"])
         return
     mirror = _Mirror(backend, config.structured_output_cache_bytes, _bitmask_view(buffer, rows, words))
-    send.send(("ready", None))
+    send.send(["ready", None])
     while True:
         try:
             message = recv.recv()
@@ -278,9 +323,9 @@ def serve(recv: Connection, send: Connection) -> None:
             break
         kind = message[0]
         if kind == "step":
-            send.send(mirror.step(message[1], message[2]))
+            send.send(list(mirror.step(message[1], message[2])))
         elif kind == "add":
-            mirror.add(message[1], message[2])
+            mirror.add(message[1], _params(message[2], message[3]))
         elif kind == "release":
             mirror.release(message[1])
     # Nothing to tear down for anyone: leave at once, not after a compile still running.
@@ -288,4 +333,4 @@ def serve(recv: Connection, send: Connection) -> None:
 
 
 if __name__ == "__main__":
-    serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
+    serve(_Wire(Connection(int(sys.argv[1]), writable=False)), _Wire(Connection(int(sys.argv[2]), readable=False)))
