@@ -216,6 +216,10 @@ CASES = {
     "detokenize-out-of-vocabulary": Case("/detokenize", body={"tokens": [VOCAB, 10**9]}, param="tokens"),
     "detokenize-beyond-int64": Case("/detokenize", body={"tokens": [2**64]}, param="tokens"),
     "tokenize-neither-prompt-nor-messages": Case("/tokenize", body={}, param="prompt"),
+    "tokenize-with-a-chat_template": Case("/tokenize", body={"messages": MESSAGES, "chat_template": "{{ 1 }}"},
+                                          param="chat_template"),
+    "tokenize-with-chat_template_kwargs": Case("/tokenize", body={"messages": MESSAGES, "chat_template_kwargs": {}},
+                                               param="chat_template_kwargs"),
     "tokenize-lone-surrogate": raw(b'{"prompt": "a\\udc00"}', "surrogate", "prompt", "/tokenize"),
 }
 
