@@ -211,7 +211,8 @@ CASES = {
         messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}], _param="messages"
     ),
     "message-content-part-not-an-object": chat(messages=[{"role": "user", "content": ["hi"]}], _param="messages"),
-    "tools": chat(tools=[{"type": "function", "function": {"name": "f"}}], _param="tools"),
+    "tools": chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}],
+                  tool_choice="none", _param="tools[0].function.parameters"),
     # ---- the tokenizer endpoints -------------------------------------------------------------
     "detokenize-out-of-vocabulary": Case("/detokenize", body={"tokens": [VOCAB, 10**9]}, param="tokens"),
     "detokenize-beyond-int64": Case("/detokenize", body={"tokens": [2**64]}, param="tokens"),

@@ -296,7 +296,7 @@ def test_structured_outputs_choice_regex_and_json(client):
         ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
         ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs", "not available when stream is true"),
         ({"prompt_logprobs": 50}, "prompt_logprobs", "at most 20"),
-        ({"stream": True, "stream_options": {"continuous_usage": True}}, "continuous_usage", "Extra inputs"),
+        ({"stream": True, "stream_options": {"continuous_usage": True}}, "stream_options", "stream_options.continuous_usage: Extra inputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
         ({"structured_outputs": {"regex": "[unclosed"}}, "structured_outputs", "structured_outputs.regex"),
         ({"structured_outputs": {"regex": "a", "structural_tag": "x"}}, "structured_outputs", "structural_tag is not supported"),
