@@ -63,6 +63,33 @@ def test_stop_token_ids_end_the_request(llm):
     assert c.finish_reason == "stop" and c.stop_reason == ids[2]
 
 
+def test_the_stop_token_text_is_left_out_unless_asked_for(llm):
+    """As in vLLM: the token that ended the request (EOS, or one of stop_token_ids) adds no
+    text, even with skip_special_tokens=False; include_stop_str_in_output keeps it."""
+    tokenizer = llm.get_tokenizer()
+    base = llm.generate("y", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    ids = base[0].outputs[0].token_ids
+    stop = ids[2]
+    kept = ids[: ids.index(stop) + 1]
+    left_out = llm.generate("y", SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop]), use_tqdm=False)
+    included = llm.generate(
+        "y", SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )
+    assert left_out[0].outputs[0].token_ids == included[0].outputs[0].token_ids == kept
+    assert included[0].outputs[0].text == tokenizer.decode(kept)
+    assert left_out[0].outputs[0].text == tokenizer.decode(kept[:-1])
+    eos = tokenizer.eos_token_id
+    for skip in (True, False):
+        out = llm.generate(
+            "y", SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[eos], skip_special_tokens=skip,
+                                logit_bias={eos: 100}),
+            use_tqdm=False,
+        )
+        c = out[0].outputs[0]
+        assert c.token_ids == [eos] and c.text == "", (skip, c)
+
+
 def test_prompt_logprobs_match_transformers(llm, llama_dir):
     prompt = list(range(20, 45))
     out = llm.generate(

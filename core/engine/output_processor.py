@@ -120,7 +120,7 @@ class RequestState:
             self.metrics.first_token_time = now
         self.metrics.last_token_time = now
         new_ids, new_logprobs = out.new_token_ids, out.new_logprobs
-        stop_str = None if self.detokenizer is None else self.detokenizer.update(new_ids)
+        stop_str = None if self.detokenizer is None else self.detokenizer.update(self._text_ids(out))
         if stop_str is not None and self.detokenizer.num_tokens_used < len(new_ids):
             # A stop string inside a run of accepted drafts: the request ends at its token.
             new_ids = new_ids[: self.detokenizer.num_tokens_used]
@@ -137,6 +137,15 @@ class RequestState:
         if self.finish_reason is not None:
             self.metrics.finished_time = now
         return stop_str
+
+    def _text_ids(self, out: EngineCoreOutput) -> list[int]:
+        """The step's tokens whose text joins the output: all but a stop token that ended the
+        request (EOS or one of ``stop_token_ids``, even when special tokens are not skipped),
+        unless ``include_stop_str_in_output``, as in vLLM."""
+        stopped_by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+        if stopped_by_token and not self.detokenizer.include_stop_str_in_output:
+            return out.new_token_ids[:-1]
+        return out.new_token_ids
 
     def completion(self) -> CompletionOutput:
         """The whole completion so far (FINAL_ONLY) or only the new part (DELTA)."""
