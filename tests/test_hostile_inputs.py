@@ -118,6 +118,8 @@ CASES = {
     "n-one-million": completion(n=10**6, _param="n"),
     "n-beyond-int64": completion(n=2**63, _param="n"),
     "n-a-string": completion(n="2", _param="n"),
+    "prompts-20000": completion(prompt=[[5]] * 20000, _param="prompt"),
+    "prompts-times-n-beyond-the-limit": completion(prompt=[[5]] * 16, n=100, _param="prompt"),
     "best_of-one-billion": completion(best_of=10**9, _param="best_of"),
     "best_of-negative": completion(best_of=-1, _param="best_of"),
     "logprobs-one-billion": completion(logprobs=10**9, _param="logprobs"),

@@ -15,7 +15,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import pagelm
 from pagelm.engine.async_llm import AsyncLLM
-from pagelm.plugins.server import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_STOP_STRINGS
+from pagelm.plugins.server import (
+    DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQUENCES_PER_REQUEST, DEFAULT_MAX_STOP_STRINGS,
+)
 from pagelm.plugins.server.errors import APIError, install_error_handlers
 from pagelm.plugins.server.http_metrics import HTTPMetrics, HTTPMetricsMiddleware
 from pagelm.plugins.server.load import ServerLoad, ServerLoadMiddleware
@@ -41,7 +43,7 @@ def build_app(
     max_n: int = DEFAULT_MAX_N, trust_request_chat_template: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS,
     tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-    enable_tokenizer_info_endpoint: bool = False,
+    enable_tokenizer_info_endpoint: bool = False, max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
 ) -> FastAPI:
     """The app serving ``engine``. It starts the engine's output loop at start-up and shuts the
     engine down when the server stops. ``allow_unknown_fields``: ignore request fields
@@ -49,7 +51,8 @@ def build_app(
     most samples (``n``) one request may ask for; ``trust_request_chat_template``: render a
     ``chat_template`` a request brings (else a 400); ``max_request_body_bytes``: larger
     bodies are a 413 before they are read; ``max_stop_strings``: the most stop strings one
-    request may give; ``tool_call_parser`` (a registered tool-call parser) and
+    request may give; ``max_sequences_per_request``: the most sequences (prompts x n) one
+    request may run; ``tool_call_parser`` (a registered tool-call parser) and
     ``enable_auto_tool_choice``: ``tool_choice="auto"`` (see tools.py);
     ``enable_tokenizer_info_endpoint``: serve ``/tokenizer_info`` (vLLM's flag; it shows the
     chat template and the model's path)."""
@@ -58,6 +61,7 @@ def build_app(
         engine, model_name, allow_unknown_fields=allow_unknown_fields, max_n=max_n,
         trust_request_chat_template=trust_request_chat_template, max_stop_strings=max_stop_strings,
         tool_calling=ToolCalling(engine.tokenizer, tool_call_parser, enable_auto_tool_choice),
+        max_sequences=max_sequences_per_request,
     )
     responses_serving = ResponsesServing(serving)
     load = ServerLoad()

@@ -15,7 +15,8 @@ import os
 
 from pagelm.cli.engine_args import add_engine_args, engine_kwargs
 from pagelm.plugins.server import (
-    DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_STOP_STRINGS,
+    DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    DEFAULT_MAX_STOP_STRINGS,
 )
 
 logger = logging.getLogger("pagelm")
@@ -58,6 +59,11 @@ def add_parser(sub) -> None:
         "--max-header-bytes", type=_positive_int, default=DEFAULT_MAX_HEADER_BYTES,
         help=f"larger request heads (request line + headers), or more than 256 headers, are a 431 "
         f"(default: {DEFAULT_MAX_HEADER_BYTES})",
+    )
+    server.add_argument(
+        "--max-sequences-per-request", type=_positive_int, default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+        help="most sequences one request may run: its prompts times n "
+        f"(default: {DEFAULT_MAX_SEQUENCES_PER_REQUEST})",
     )
     server.add_argument(
         "--max-stop-strings", type=_positive_int, default=DEFAULT_MAX_STOP_STRINGS,
@@ -169,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes, max_stop_strings=args.max_stop_strings,
         tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        max_sequences_per_request=args.max_sequences_per_request,
     )
     server = _draining_server_class()(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,

@@ -26,7 +26,7 @@ from pagelm.engine.input_processor import ProcessedRequest
 from pagelm.engine.output_processor import OutputKind
 from pagelm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagelm.sampling_params import GuidedDecodingParams, SamplingParams
-from pagelm.plugins.server import DEFAULT_MAX_N, DEFAULT_MAX_STOP_STRINGS
+from pagelm.plugins.server import DEFAULT_MAX_N, DEFAULT_MAX_SEQUENCES_PER_REQUEST, DEFAULT_MAX_STOP_STRINGS
 from pagelm.plugins.server.errors import APIError, param_of
 from pagelm.plugins.server.protocol import (
     ChatChoice,
@@ -76,11 +76,12 @@ class OpenAIServing:
     def __init__(
         self, engine: AsyncLLM, model_name: str, *, allow_unknown_fields: bool = False, max_n: int = DEFAULT_MAX_N,
         trust_request_chat_template: bool = False, max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS,
-        tool_calling: ToolCalling | None = None,
+        tool_calling: ToolCalling | None = None, max_sequences: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     ) -> None:
         self.engine = engine
         self.allow_unknown_fields = allow_unknown_fields
         self.max_n = max_n
+        self.max_sequences = max_sequences
         self.max_stop_strings = max_stop_strings
         self.trust_request_chat_template = trust_request_chat_template
         self.model_name = model_name
@@ -296,10 +297,10 @@ class OpenAIServing:
             req, max_tokens=max_tokens, max_tokens_name="max_tokens", logprobs=req.logprobs,
             logprobs_name="logprobs", prompt_logprobs=prompt_logprobs,
         )
-        prompts = self._completion_prompts(req.prompt)
+        prompts = self._completion_prompts(req.prompt, req.n)
         return params, prompts, [self.check_prompt(p, params, req.priority, "prompt", "max_tokens") for p in prompts]
 
-    def _completion_prompts(self, prompt: str | list) -> list[dict[str, Any]]:
+    def _completion_prompts(self, prompt: str | list, n: int) -> list[dict[str, Any]]:
         if isinstance(prompt, str):
             items: list = [prompt]
         elif prompt and all(isinstance(t, int) for t in prompt):
@@ -308,6 +309,12 @@ class OpenAIServing:
             items = list(prompt)
         if not items:
             raise APIError("prompt must not be empty", param="prompt")
+        if len(items) * n > self.max_sequences:  # checked before any prompt is tokenized
+            raise APIError(
+                f"a request may run at most {self.max_sequences} sequences (prompts x n, the server's "
+                f"--max-sequences-per-request), got {len(items)} prompts x n = {n}",
+                param="prompt" if len(items) > 1 else "n",
+            )
         out = []
         for item in items:
             if isinstance(item, str):
