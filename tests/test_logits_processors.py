@@ -5,7 +5,10 @@ scheduling, speculative decoding and tensor parallelism too."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
+import torch
 
 from pagelm import LLM, SamplingParams, StructuredOutputsParams
 from pagelm.request import Request
@@ -267,3 +270,23 @@ def test_speculation_verifies_drafts_against_bad_words(llama_dir, llm):
         out = spec.generate(prompt, greedy(24, bad_words=[word]), use_tqdm=False)[0]
         assert out.outputs[0].token_ids == expected and not any(contains(expected, f) for f in forms)
         assert out.metrics.spec_num_draft_tokens > 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_graphs_and_async_scheduling_give_the_eager_tokens(llama_dir, llm, plain):
+    """On the GPU the rows are added inside the sampler that follows a graph replay, one step
+    ahead under async scheduling: the same tokens as an eager, synchronous CUDA run, and a
+    bias of 100 still decides greedy there."""
+    prompts, params = [PROMPT] * 5, _mixed_params(llm.get_tokenizer(), plain[0])
+    kw = dict(dtype="float32", block_size=8, device="cuda", num_kv_blocks=512)
+    eager = LLM(str(llama_dir), enforce_eager=True, async_scheduling=False, **kw)
+    expected = token_ids(eager, prompts, params)
+    eager.shutdown()
+    del eager
+    gc.collect()
+    torch.cuda.empty_cache()  # the next engine sizes its KV pool from what is free
+    with LLM(str(llama_dir), async_scheduling=True, **kw) as fast:
+        got = token_ids(fast, prompts, params)
+        forced = token_ids(fast, [PROMPT], greedy(8, logit_bias={42: 100.0}))[0]
+    assert got == expected
+    assert forced == [42] * 8
