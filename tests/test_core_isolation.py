@@ -152,11 +152,15 @@ def test_a_killed_engine_core_process_is_replaced_and_serving_resumes(llama_dir)
         dead = engine.core.proc
 
         async def kill_mid_request():
-            task = asyncio.ensure_future(_generate(engine, [5, 6, 7], "in-flight", max_tokens=200))
-            await asyncio.sleep(0.2)
+            stream = engine.generate(
+                {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=240, ignore_eos=True), "in-flight",
+                output_kind=OutputKind.DELTA,
+            )
+            await stream.__anext__()  # running: its first token is out, 239 to go
             os.kill(dead.pid, signal.SIGKILL)
             with pytest.raises(EngineDeadError):
-                await task
+                async for _ in stream:
+                    pass
             deadline = time.time() + 120
             while not engine.is_running:
                 assert time.time() < deadline, "the engine core was not restarted"
