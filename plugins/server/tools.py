@@ -31,6 +31,7 @@ from typing import Any
 
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.server.errors import APIError
+from pagelm.plugins.tool_parsers.streaming_json import PENDING, json_object_at
 from pagelm.plugins.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -47,7 +48,6 @@ from pagelm.tool_parser import StreamDelta, ToolCall, ToolCallDelta, ToolParser,
 # OpenAI's rule for function names.
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _NAMED_USAGE = 'a named tool_choice is {"type": "function", "function": {"name": "<one of tools>"}}'
-_decoder = json.JSONDecoder()
 
 
 class ToolCalling:
@@ -246,22 +246,16 @@ class RequiredToolCalls(ToolParser):
             self._pos, self._closed = None, True
             return False
         if at < len(text) and text[at] == "{":
-            if "}" not in text[max(self._tried, at):] and not finished:
+            obj, end = json_object_at(text, at, finished, self._tried)
+            if obj is PENDING:
+                self._tried = end
                 return False
-            try:
-                obj, end = _decoder.raw_decode(text, at)
-            except (ValueError, RecursionError):
-                if not finished:
-                    self._tried = len(text)
-                    return False
-            else:
-                if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("parameters"), dict):
-                    params = obj["parameters"]
-                    call = ToolCall(obj["name"], json.dumps(params, ensure_ascii=False))
-                    out.tool_calls.append(ToolCallDelta(self._num_calls, call.id, call.name, call.arguments))
-                    self._num_calls += 1
-                    self._pos = end
-                    return True
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("parameters"), dict):
+                call = ToolCall(obj["name"], json.dumps(obj["parameters"], ensure_ascii=False))
+                out.tool_calls.append(ToolCallDelta(self._num_calls, call.id, call.name, call.arguments))
+                self._num_calls += 1
+                self._pos = end
+                return True
         self._pos, self._content_from = None, at if self._num_calls else 0
         return False
 

@@ -14,13 +14,11 @@ its closing brace: calls go out whole, one delta each, so no delta is ever taken
 
 from __future__ import annotations
 
-import json
-
 from pagelm.plugins.tool_parsers.hermes import call_from_object
+from pagelm.plugins.tool_parsers.streaming_json import PENDING, json_object_at
 from pagelm.tool_parser import StreamDelta, ToolCallDelta, ToolParser
 
 PYTHON_TAG = "<|python_tag|>"
-_decoder = json.JSONDecoder()
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -66,21 +64,16 @@ class Llama3JsonToolParser(ToolParser):
                 self._calls_at, self._content_from, self._sent = None, len(text), len(text)
             return False
         if text[at] == "{":
-            if "}" not in text[max(self._tried, at):] and not finished:
+            obj, end = json_object_at(text, at, finished, self._tried)
+            if obj is PENDING:
+                self._tried = end
                 return False
-            try:
-                obj, end = _decoder.raw_decode(text, at)
-            except (ValueError, RecursionError):
-                if not finished:
-                    self._tried = len(text)
-                    return False
-            else:
-                call = call_from_object(obj, "parameters", "arguments")
-                if call is not None:
-                    out.tool_calls.append(ToolCallDelta(self._num_calls, call.id, call.name, call.arguments))
-                    self._num_calls += 1
-                    self._calls_at = self._tried = end
-                    return True
+            call = call_from_object(obj, "parameters", "arguments")
+            if call is not None:
+                out.tool_calls.append(ToolCallDelta(self._num_calls, call.id, call.name, call.arguments))
+                self._num_calls += 1
+                self._calls_at = self._tried = end
+                return True
         # Not a call: the rest is content (all of the reply when no call came before).
         self._calls_at, self._content_from = None, at if self._num_calls else 0
         return False
