@@ -167,29 +167,28 @@ class OutputItemEvent(StreamEvent):
     item: OutputMessage
 
 
-class ContentPartEvent(StreamEvent):
-    """response.content_part.added, response.content_part.done"""
+class ContentEvent(StreamEvent):
+    """An event about one content part: where it sits in the output."""
 
     output_index: int
     item_id: str
     content_index: int
+
+
+class ContentPartEvent(ContentEvent):
+    """response.content_part.added, response.content_part.done"""
+
     part: OutputText
 
 
-class OutputTextDeltaEvent(StreamEvent):
+class OutputTextDeltaEvent(ContentEvent):
     type: Literal["response.output_text.delta"] = "response.output_text.delta"
-    output_index: int
-    item_id: str
-    content_index: int
     delta: str
     logprobs: list[Any] = Field(default_factory=list)
 
 
-class OutputTextDoneEvent(StreamEvent):
+class OutputTextDoneEvent(ContentEvent):
     type: Literal["response.output_text.done"] = "response.output_text.done"
-    output_index: int
-    item_id: str
-    content_index: int
     text: str
     logprobs: list[Any] = Field(default_factory=list)
 
