@@ -76,6 +76,13 @@ def pagelm_register_tool_parsers(registry: "Registry") -> None:
 
 
 @hookspec
+def pagelm_register_stat_loggers(registry: "Registry") -> None:
+    """Add ``StatLogger`` subclasses (``pagelm.stat_logger``): what ``AsyncLLM`` hands each
+    engine step's statistics to; ``registry.add(name, logger_cls)``. Every registered one is
+    used (built in: ``prometheus``, ``logging``; ``PAGELM_DISABLE_PLUGINS`` leaves one out)."""
+
+
+@hookspec
 def pagelm_register_kernels(registry: "Registry") -> None:
     """Name the fused kernels behind the core's ops, sampler and decode graphs:
     ``registry.add("rms_norm", "pkg.module:function")``. The reference is imported on first

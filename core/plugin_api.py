@@ -30,7 +30,10 @@ from typing import Any
 # the pagelm_register_executors hook (Executor, keyed by distributed_executor_backend).
 # 2.3 added the pagelm_register_tool_parsers hook (ToolParser, keyed by the server's
 # --tool-call-parser).
-PLUGIN_API_VERSION = "2.3"
+# 2.4 added the pagelm_register_stat_loggers hook (StatLogger: Prometheus and the stats log
+# left the core), the optional AttentionMetadataBuilder.configure(config), and removed the
+# core's cascade notion (docs/plugins.md, migration to 2.4).
+PLUGIN_API_VERSION = "2.4"
 PLUGIN_API_ATTRIBUTE = "PAGELM_PLUGIN_API"
 
 _VERSION_RE = re.compile(r"^(\d+)(?:\.(\d+))?$")

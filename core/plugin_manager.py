@@ -214,6 +214,9 @@ class PluginManager:
     def tool_parsers(self) -> Registry:
         return self._collect("tool call parser")
 
+    def stat_loggers(self) -> Registry:
+        return self._collect("stat logger")
+
     def cli_commands(self) -> Registry:
         return self._collect("cli command")
 
@@ -257,6 +260,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
     from pagelm.model_loader import ModelLoader
     from pagelm.sched.policy import SchedulingPolicy
     from pagelm.spec_decode.proposer import Proposer
+    from pagelm.stat_logger import StatLogger
     from pagelm.structured_output.backend import StructuredOutputBackend
     from pagelm.tool_parser import ToolParser
 
@@ -269,6 +273,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
         "model loader": ("pagelm_register_model_loaders", ModelLoader),
         "executor": ("pagelm_register_executors", Executor),
         "tool call parser": ("pagelm_register_tool_parsers", ToolParser),
+        "stat logger": ("pagelm_register_stat_loggers", StatLogger),
         "cli command": ("pagelm_register_cli_commands", None),
         "kernel": ("pagelm_register_kernels", None),
     }

@@ -171,7 +171,7 @@ def test_a_killed_engine_core_process_is_replaced_and_serving_resumes(llama_dir)
         assert engine.core.proc.pid != dead.pid and engine.num_engine_restarts == 1
         after = _run(loop, _generate(engine, [5, 6, 7], "after"))
         assert after.outputs[0].token_ids == before.outputs[0].token_ids  # greedy, same engine
-        assert engine.metrics.engine_restarts._value.get() == 1
+        assert engine.stat_loggers["prometheus"].engine_restarts._value.get() == 1
     finally:
         engine.shutdown()
         loop.run_until_complete(asyncio.sleep(0))

@@ -5,7 +5,7 @@ of the plugin folders by name (the core finds plugins through the plugin manager
 Layers, lowest first (docs/architecture.md draws them):
 1. contracts and plain data; 2. mechanisms (plugin manager, KV cache, scheduler, sampler,
 ops, guided-decoding manager, loading); 3. the worker (model runner); 4. the engine (core
-loop, core process and client, output processing, metrics); 5. the APIs (``LLM``, the
+loop, core process and client, output processing, stats collection); 5. the APIs (``LLM``, the
 ``pagelm`` command, the conformance kit and test fixtures).
 """
 
@@ -26,14 +26,14 @@ LAYERS = {
         "pagelm.spec_decode.proposer", "pagelm.spec_decode.config", "pagelm.spec_decode.stats",
         "pagelm.structured_output.backend", "pagelm.worker.output", "pagelm.engine.core_output",
         "pagelm.sample.metadata", "pagelm.kv_cache.block_hash", "pagelm.model_loader", "pagelm.executor",
-        "pagelm.distributed", "pagelm.tool_parser",
+        "pagelm.distributed", "pagelm.tool_parser", "pagelm.stat_logger",
     ],
     2: [
         "pagelm.plugin_manager", "pagelm.kv_cache", "pagelm.sched", "pagelm.sample", "pagelm.kernels",
         "pagelm.spec_decode", "pagelm.structured_output",
     ],
     3: ["pagelm.worker"],
-    4: ["pagelm.engine", "pagelm.metrics"],
+    4: ["pagelm.engine"],
     5: ["pagelm.llm", "pagelm.cli", "pagelm.plugins.server", "pagelm.testing", "pagelm.demo", "pagelm.plugins.demo.model"],
 }
 

@@ -4,11 +4,10 @@ counted; the engine and every other plugin carry on."""
 import logging
 
 import pytest
-from prometheus_client import CollectorRegistry
-
 from pagelm import LLM, SamplingParams, hookimpl
 from pagelm.engine.core_loop import SchedulerStats
-from pagelm.metrics import EngineMetrics
+from pagelm.config import EngineConfig
+from pagelm.plugins.metrics.prometheus import PrometheusStatLogger
 from pagelm.plugin_manager import get_plugin_manager
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -59,7 +58,7 @@ def test_a_raising_lifecycle_hook_fails_nobody(llama_dir, plugins, caplog):
 
 
 def test_plugin_errors_reach_the_metrics():
-    metrics = EngineMetrics("m", 512, CollectorRegistry())
-    metrics.record_step(SchedulerStats(num_plugin_errors=2))
-    metrics.record_step(SchedulerStats(num_plugin_errors=5))
+    metrics = PrometheusStatLogger(EngineConfig(model="m"), "m", 512, SchedulerStats())
+    metrics.record(SchedulerStats(num_plugin_errors=2))
+    metrics.record(SchedulerStats(num_plugin_errors=5))
     assert metrics.registry.get_sample_value("pagelm:plugin_errors_total", {"model_name": "m", "engine": "0"}) == 5

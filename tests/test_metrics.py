@@ -1,6 +1,8 @@
-"""Prometheus metrics from engine steps under vLLM's names, the per-step stats the output
-processor gathers for them, and the periodic stats log line."""
+"""The built-in stat loggers (Prometheus metrics from engine steps under vLLM's names, and
+the periodic stats log line), the per-step stats the output processor gathers for them, and
+a third party's stat logger fed by a real run."""
 
+import asyncio
 import logging
 
 import pytest
@@ -11,18 +13,28 @@ from pagelm.engine.core_loop import SchedulerStats
 from pagelm.engine.core_output import EngineCoreOutput
 from pagelm.engine.iteration_stats import FinishedRequestStats, IterationStats
 from pagelm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest, RequestState
-from pagelm.metrics import (
+from pagelm import hookimpl
+from pagelm.config import EngineConfig
+from pagelm.engine.async_llm import AsyncLLM
+from pagelm.outputs import RequestMetrics
+from pagelm.plugin_manager import get_plugin_manager
+from pagelm.plugins.metrics.logging import LoggingStatLogger
+from pagelm.plugins.metrics.prometheus import (
     TOKEN_LATENCY_BUCKETS,
-    EngineMetrics,
-    StatsLogger,
+    PrometheusStatLogger,
     TokenLatencyHistogram,
     build_1_2_5_buckets,
 )
-from pagelm.outputs import RequestMetrics
 from pagelm.sampling_params import SamplingParams
+from pagelm.stat_logger import StatLogger
 
 
-def samples(m: EngineMetrics) -> dict[str, float]:
+def prometheus(num_kv_blocks: int = 0, **config) -> PrometheusStatLogger:
+    stats = SchedulerStats(num_free_blocks=num_kv_blocks, num_kv_blocks=num_kv_blocks)
+    return PrometheusStatLogger(EngineConfig(model="m", **config), "tiny", 512, stats)
+
+
+def samples(m: PrometheusStatLogger) -> dict[str, float]:
     """Samples by name (+ finished_reason), buckets left out; every one labelled with the model
     and engine 0."""
     text = generate_latest(m.registry).decode()
@@ -58,18 +70,18 @@ def test_a_request_that_failed_before_its_first_token_has_no_phases():
 
 
 def test_step_updates_gauges_counters_and_request_histograms():
-    m = EngineMetrics("tiny", 512)
+    m = prometheus()
     stats = SchedulerStats(num_running=3, num_waiting=2, num_free_blocks=6, num_kv_blocks=8,
                            prefix_cache_queries=40, prefix_cache_hits=16, num_preemptions=1)
     step = IterationStats()
     step.observe_tokens(1, None, now=11.0, arrival_time=10.0, num_prompt_tokens=3, num_cached_tokens=1)
     step.observe_tokens(2, 11.0, now=11.25, arrival_time=10.0, num_prompt_tokens=3, num_cached_tokens=1)
-    m.record_step(stats, step)
+    m.record(stats, step)
     later = SchedulerStats(num_running=1, num_waiting=0, num_free_blocks=8, num_kv_blocks=8,
                            prefix_cache_queries=50, prefix_cache_hits=16, num_preemptions=1)
     done = IterationStats(num_generation_tokens=1, finished_requests=[finished(4)], n_params=[1],
                           max_num_generation_tokens=[4])
-    m.record_step(later, done)
+    m.record(later, done)
     s = samples(m)
     assert s["vllm:num_requests_running"] == 1 and s["vllm:num_requests_waiting"] == 0
     assert s["vllm:kv_cache_usage_perc"] == 0.0 == s["vllm:gpu_cache_usage_perc"]
@@ -163,30 +175,94 @@ def test_offline_processing_gathers_nothing():
 
 
 def test_cache_config_info_is_a_gauge_of_one_with_the_config_as_labels():
-    m = EngineMetrics("tiny", 512, cache_info={"block_size": "16", "num_gpu_blocks": "8"})
-    m.set_cache_config_info({"block_size": "16", "num_gpu_blocks": "12"})  # a restarted core
+    m = prometheus(num_kv_blocks=8, block_size=32)
+    m.engine_restarted(SchedulerStats(num_free_blocks=12, num_kv_blocks=12))  # a restarted core, more blocks
     [family] = [f for f in text_string_to_metric_families(generate_latest(m.registry).decode())
                 if f.name == "vllm:cache_config_info"]
     assert [(s.labels, s.value) for s in family.samples] == [
-        ({"block_size": "16", "num_gpu_blocks": "12", "engine": "0"}, 1.0)
+        ({"block_size": "32", "cache_dtype": "auto", "enable_prefix_caching": "True",
+          "gpu_memory_utilization": "0.9", "num_gpu_blocks": "12", "num_gpu_blocks_override": "None",
+          "prefix_caching_hash_algo": "sha256", "engine": "0"}, 1.0)
     ]
+    assert samples(m)["pagelm:engine_restarts_total"] == 1
 
 
 def test_process_and_gc_collectors_are_registered():
-    m = EngineMetrics("tiny", 512)
+    m = prometheus()
     names = {f.name for f in text_string_to_metric_families(generate_latest(m.registry).decode())}
     assert {"process_resident_memory_bytes", "process_cpu_seconds", "python_gc_collections", "python_info"} <= names
 
 
 def test_stats_log_line_only_when_busy(caplog):
-    m = EngineMetrics("tiny", 512)
-    log = StatsLogger(m)
+    idle = SchedulerStats(num_kv_blocks=8, num_free_blocks=8)
+    log = LoggingStatLogger(EngineConfig(model="m"), "tiny", 512, idle)
     with caplog.at_level(logging.INFO, logger="pagelm"):
-        log.log(SchedulerStats(num_kv_blocks=8, num_free_blocks=8))
+        log.log()
         assert caplog.records == []
         busy = SchedulerStats(num_running=2, num_kv_blocks=8, num_free_blocks=4)
-        m.record_step(busy, IterationStats(num_generation_tokens=2))
-        log.log(busy)
+        log.record(busy, IterationStats(num_generation_tokens=2))
+        log.log()
     [record] = caplog.records
     line = record.getMessage()
     assert "generation throughput" in line and "running: 2 reqs" in line and "KV cache usage: 50.0%" in line
+
+
+class Recorder(StatLogger):
+    """A third party's stat logger: keeps what it is handed."""
+
+    name = "recorder"
+    made: list["Recorder"] = []
+
+    def __init__(self, config, model_name, max_model_len, stats):
+        super().__init__(config, model_name, max_model_len, stats)
+        self.start, self.steps, self.aborted = stats, [], []
+        Recorder.made.append(self)
+
+    def record(self, stats, iteration=None):
+        self.steps.append((stats, iteration))
+
+    def request_finished(self, reason, count=1):
+        self.aborted.append((reason, count))
+
+
+class RecorderPlugin:
+    @hookimpl
+    def pagelm_register_stat_loggers(self, registry):
+        registry.add(Recorder.name, Recorder)
+
+
+def test_a_plugins_stat_logger_receives_the_stats_of_a_real_run(llama_dir):
+    pm = get_plugin_manager()
+    pm.register(RecorderPlugin(), name="test-recorder")
+    Recorder.made.clear()
+    loop = asyncio.new_event_loop()
+    config = EngineConfig.from_kwargs(str(llama_dir), num_kv_blocks=64, max_model_len=256)
+    engine = AsyncLLM(config, engine_process=False, model_name="tiny")
+    try:
+        assert sorted(engine.stat_loggers) == ["logging", "prometheus", "recorder"]  # beside the built-ins
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+        async def run(request_id):
+            return [o async for o in engine.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, request_id)]
+
+        async def both():
+            return await asyncio.gather(run("a"), run("b"))
+
+        loop.run_until_complete(both())
+    finally:
+        engine.shutdown()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+        pm.unregister("test-recorder")
+    [rec] = Recorder.made
+    assert rec.model_name == "tiny" and rec.max_model_len == 256 and rec.config is config
+    assert rec.start.num_kv_blocks == 64 == rec.start.num_free_blocks
+    iterations = [it for _, it in rec.steps if it is not None]
+    assert sum(it.num_generation_tokens for it in iterations) == 10  # 2 requests x 5 tokens
+    assert sum(it.num_prompt_tokens for it in iterations) == 8
+    finished = [f for it in iterations for f in it.finished_requests]
+    assert sorted((f.finish_reason, f.num_generation_tokens) for f in finished) == [("length", 5), ("length", 5)]
+    assert rec.steps[-1][0].num_kv_blocks == 64 and rec.aborted == []
+    # The prometheus logger saw the same steps.
+    prom = samples(engine.stat_loggers["prometheus"])
+    assert prom["vllm:generation_tokens_total"] == 10 and prom["vllm:request_success_total[length]"] == 2

@@ -26,8 +26,8 @@ from pagelm.engine.input_processor import ProcessedRequest, PromptType
 from pagelm.engine.iteration_stats import IterationStats
 from pagelm.engine.llm_engine import LLMEngine
 from pagelm.engine.output_processor import OutputKind
-from pagelm.metrics import EngineMetrics, StatsLogger, cache_config_info
 from pagelm.outputs import RequestOutput
+from pagelm.plugin_manager import get_plugin_manager
 from pagelm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagelm")
@@ -108,11 +108,14 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.model_name = model_name or config.model
-        self.metrics = EngineMetrics(
-            self.model_name, self.max_model_len, cache_info=cache_config_info(config, self.core.num_kv_blocks)
-        )
         self.stats = SchedulerStats(num_free_blocks=self.core.num_kv_blocks, num_kv_blocks=self.core.num_kv_blocks)
-        self.metrics.record_step(self.stats)
+        # Every registered stat logger (pagelm.stat_logger), by name: built in, prometheus
+        # (the server's /metrics reads its registry) and logging.
+        registry = get_plugin_manager().stat_loggers()
+        self.stat_loggers = {
+            name: registry.get(name)(config, self.model_name, self.max_model_len, self.stats)
+            for name in registry.names()
+        }
         self.log_stats_interval = log_stats_interval
         self.dead_error: EngineDeadError | None = None
         # A dead engine core is replaced (its requests fail) up to this many times.
@@ -217,11 +220,13 @@ class AsyncLLM:
         live = [i for i in processor.expand_ids([request_id]) if i in processor.states]
         if live:  # else it has finished already
             self.engine.abort_request(live)
-            self.metrics.request_finished("abort", len(live))  # each sample is a request, as in vLLM
+            for stat_logger in self.stat_loggers.values():  # each sample is a request, as in vLLM
+                stat_logger.request_finished("abort", len(live))
 
     # ---- the output side ------------------------------------------------------------------
     async def _output_loop(self) -> None:
         processor = self.engine.output_processor
+        stat_loggers = list(self.stat_loggers.values())
         try:
             while True:
                 step = await self.core.get_output()
@@ -235,7 +240,8 @@ class AsyncLLM:
                     if stream is not None:
                         stream.put(out)
                 self.stats = step.stats
-                self.metrics.record_step(step.stats, iteration)
+                for stat_logger in stat_loggers:
+                    stat_logger.record(step.stats, iteration)
         except asyncio.CancelledError:
             raise
         except EngineDeadError as exc:
@@ -262,8 +268,8 @@ class AsyncLLM:
             self.dead_error = EngineDeadError(f"the engine core could not be restarted: {exc}")
             return
         self.stats = SchedulerStats(num_free_blocks=self.core.num_kv_blocks, num_kv_blocks=self.core.num_kv_blocks)
-        self.metrics.set_cache_config_info(cache_config_info(self.config, self.core.num_kv_blocks))
-        self.metrics.engine_restarted(self.stats)
+        for stat_logger in self.stat_loggers.values():
+            stat_logger.engine_restarted(self.stats)
         self.dead_error = None
         self._tasks.append(asyncio.create_task(self._output_loop(), name="pagelm-output-loop"))
         logger.warning("the engine core is back")
@@ -290,7 +296,7 @@ class AsyncLLM:
         self._streams.clear()
 
     async def _log_loop(self) -> None:
-        stats_logger = StatsLogger(self.metrics)
         while True:
             await asyncio.sleep(self.log_stats_interval)
-            stats_logger.log(self.stats)
+            for stat_logger in self.stat_loggers.values():
+                stat_logger.log()

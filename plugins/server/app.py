@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 import pagelm
 from pagelm.engine.async_llm import AsyncLLM
@@ -81,8 +81,10 @@ def build_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:  # added late: it runs early, so that no unauthenticated body is read
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    # Outermost: it times and counts every request, the refused ones too.
-    app.add_middleware(HTTPMetricsMiddleware, metrics=HTTPMetrics(engine.metrics.registry))
+    # The engine's metrics are the prometheus stat logger's (a plugin: without it, /metrics
+    # has the HTTP metrics only). Outermost: it times and counts every request, refused too.
+    registry = getattr(engine.stat_loggers.get("prometheus"), "registry", None) or CollectorRegistry()
+    app.add_middleware(HTTPMetricsMiddleware, metrics=HTTPMetrics(registry))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
@@ -122,7 +124,7 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     if enable_tokenizer_info_endpoint:
         info = tokenizer_info(engine.tokenizer)

@@ -32,7 +32,7 @@ from pagelm.models.loader import default_dtype, iterate_weights
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.spec_decode import ProposalBatch, Proposer
 
-PAGELM_PLUGIN_API = "2.3"
+PAGELM_PLUGIN_API = "2.4"
 
 
 class EagleProposer(Proposer):

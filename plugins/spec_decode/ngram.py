@@ -18,7 +18,7 @@ import numpy as np
 from pagelm import hookimpl
 from pagelm.spec_decode import ProposalBatch, Proposer
 
-PAGELM_PLUGIN_API = "2.3"
+PAGELM_PLUGIN_API = "2.4"
 
 
 class NgramProposer(Proposer):

@@ -31,7 +31,7 @@ from pagelm import hookimpl
 from pagelm.sampling_params import GuidedDecodingParams
 from pagelm.structured_output import CompiledGrammar, StructuredOutputBackend, StructuredOutputGrammar
 
-PAGELM_PLUGIN_API = "2.3"
+PAGELM_PLUGIN_API = "2.4"
 
 _SETTINGS = {"any_whitespace": bool, "max_whitespace_cnt": int, "compile_threads": int, "fill_threads": int}
 _DEFAULT_FILL_THREADS = 4

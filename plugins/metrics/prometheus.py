@@ -1,7 +1,8 @@
-"""Prometheus metrics for the async engine under vLLM's names, types, labels and buckets
-(``vllm:*``, labels ``model_name`` and ``engine``), so that dashboards, alerts and
-autoscalers written for vLLM work unchanged; metrics only pagelm has stay ``pagelm:*``. Plus
-the process and Python GC collectors, and the periodic one-line stats log.
+"""The ``prometheus`` stat logger: the async engine's metrics under vLLM's names, types,
+labels and buckets (``vllm:*``, labels ``model_name`` and ``engine``), so that dashboards,
+alerts and autoscalers written for vLLM work unchanged; metrics only pagelm has stay
+``pagelm:*``. Plus the process and Python GC collectors. ``pagelm serve`` answers
+``/metrics`` from its ``registry``.
 
 Gauges and counters are updated once per engine step from ``SchedulerStats`` (totals the
 engine core keeps) and the step's ``IterationStats`` (what its outputs did, gathered by the
@@ -10,8 +11,6 @@ output processor in the API process); request histograms once per finished reque
 
 from __future__ import annotations
 
-import logging
-import time
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 
@@ -24,8 +23,7 @@ from prometheus_client.utils import floatToGoString
 from pagelm.config import EngineConfig
 from pagelm.engine.core_loop import SchedulerStats
 from pagelm.engine.iteration_stats import FinishedRequestStats, IterationStats
-
-logger = logging.getLogger("pagelm")
+from pagelm.stat_logger import StatLogger
 
 # vLLM V1's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = [
@@ -103,25 +101,23 @@ class TokenLatencyHistogram(Collector):
             yield family
 
 
-class EngineMetrics:
+class PrometheusStatLogger(StatLogger):
     """One registry per engine, so several engines (tests) can live in one process."""
 
-    def __init__(
-        self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None,
-        cache_info: dict[str, str] | None = None,
-    ) -> None:
-        self.registry = registry or CollectorRegistry()
+    name = "prometheus"
+
+    def __init__(self, config: EngineConfig, model_name: str, max_model_len: int, stats: SchedulerStats) -> None:
+        super().__init__(config, model_name, max_model_len, stats)
+        self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         self.label_values = [model_name, "0"]  # one engine core: engine "0"
-        self._define_state_metrics(cache_info or {})
+        self._define_state_metrics(cache_config_info(config, stats.num_kv_blocks))
         self._define_token_metrics(build_1_2_5_buckets(max_model_len))
         self._define_latency_metrics()
         self._last = SchedulerStats()
-        # Plain totals for the stats log (prometheus values are not meant to be read back).
-        self.total_prompt_tokens = 0
-        self.total_generation_tokens = 0
+        self.record(stats)
 
     def _gauge(self, name: str, doc: str) -> Gauge:
         return Gauge(name, doc, LABELS, registry=self.registry).labels(*self.label_values)
@@ -249,17 +245,18 @@ class EngineMetrics:
         self._cache_config_info.labels(**info, engine=self.label_values[1]).set(1)
 
     def engine_restarted(self, stats: SchedulerStats) -> None:
-        """A fresh engine core: its counters start from zero again."""
+        """A fresh engine core: its counters start from zero again, its block count may differ."""
+        self.set_cache_config_info(cache_config_info(self.config, stats.num_kv_blocks))
         self.engine_restarts.inc()
         self._last = stats
-        self.record_step(stats)
+        self.record(stats)
 
     def request_finished(self, reason: str, count: int = 1) -> None:
         """``count`` requests ended with ``reason``; those aborted by their client end outside
         the output processor and come here directly."""
         self._request_success.labels(*self.label_values, reason).inc(count)
 
-    def record_step(self, stats: SchedulerStats, step: IterationStats | None = None) -> None:
+    def record(self, stats: SchedulerStats, step: IterationStats | None = None) -> None:
         """Fold one engine step in: the engine core's state after it, and what its outputs did."""
         last, self._last = self._last, stats
         self.num_requests_running.set(stats.num_running)
@@ -281,8 +278,6 @@ class EngineMetrics:
         self.prompt_tokens.inc(step.num_prompt_tokens)
         self.prompt_tokens_cached.inc(step.num_cached_prompt_tokens)
         self.generation_tokens.inc(step.num_generation_tokens)
-        self.total_prompt_tokens += step.num_prompt_tokens
-        self.total_generation_tokens += step.num_generation_tokens
         if step.num_prompt_tokens or step.num_generation_tokens:
             self.iteration_tokens.observe(step.num_prompt_tokens + step.num_generation_tokens)
         for ttft in step.time_to_first_tokens:
@@ -322,37 +317,3 @@ class EngineMetrics:
             if delta:
                 self._spec_accepted_per_pos.labels(*self.label_values, str(pos)).inc(delta)
 
-
-class StatsLogger:
-    """Logs throughput, running/waiting and KV usage; called every ``interval`` seconds."""
-
-    def __init__(self, metrics: EngineMetrics) -> None:
-        self.metrics = metrics
-        self._time = time.monotonic()
-        self._prompt = self._generation = 0
-        self._spec = (0, 0, 0)  # drafts, draft tokens, accepted tokens at the last log
-
-    def log(self, stats: SchedulerStats) -> None:
-        now = time.monotonic()
-        prompt, generation = self.metrics.total_prompt_tokens, self.metrics.total_generation_tokens
-        elapsed = max(now - self._time, 1e-9)
-        d_prompt, d_gen = prompt - self._prompt, generation - self._generation
-        self._time, self._prompt, self._generation = now, prompt, generation
-        if not (d_prompt or d_gen or stats.num_running or stats.num_waiting):
-            return  # idle: stay quiet
-        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
-        spec = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
-        drafts, drafted, accepted = (now_ - then for now_, then in zip(spec, self._spec))
-        self._spec = spec
-        spec_line = ""
-        if drafts:
-            spec_line = (
-                f", spec decode: mean acceptance length {1 + accepted / drafts:.2f}, "
-                f"acceptance rate {100 * accepted / drafted:.1f}%"
-            )
-        logger.info(
-            "prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, running: %d reqs, "
-            "waiting: %d reqs, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%%s",
-            d_prompt / elapsed, d_gen / elapsed, stats.num_running, stats.num_waiting,
-            100 * stats.kv_cache_usage, 100 * hit_rate, spec_line,
-        )
