@@ -46,12 +46,6 @@ class EngineConfig:
     # "auto": the usable registered backend with the highest auto_priority for the device
     # (built-in: triton, then flashinfer, then torch on CUDA; torch on CPU; logged at start-up).
     attention_backend: str = "auto"
-    # Cascade attention: when every request of a step shares at least this many leading,
-    # already-cached KV blocks (many requests over one system prompt), a backend that supports
-    # it (flashinfer) attends them once for the whole batch. 0 (the default) turns it off:
-    # cascade steps run eagerly, which measured 3x slower than graph replays on the
-    # shared-prefix benchmark, until cascade decode is captured in graphs.
-    cascade_attention_min_blocks: int = 0
     load_format: str = "auto"
     # None: CUDA graphs for decode when the device and the attention backend allow them;
     # True: never; False: required (a backend that is not graph safe is then an error).
@@ -139,10 +133,6 @@ class EngineConfig:
             out.append(f"max_stalled_preemptions must be >= 1, got {self.max_stalled_preemptions}")
         if self.max_num_partial_prefills < 1:
             out.append(f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}")
-        if self.cascade_attention_min_blocks < 0:
-            out.append(
-                f"cascade_attention_min_blocks must be >= 0 (0 = off), got {self.cascade_attention_min_blocks}"
-            )
         if self.structured_output_cache_bytes < 0:
             out.append(f"structured_output_cache_bytes must be >= 0, got {self.structured_output_cache_bytes}")
         if not self.structured_output_compile_timeout > 0:

@@ -19,12 +19,11 @@ from pagelm.attention import AttentionSpec, CommonAttentionMetadata, GraphSuppor
 from pagelm.attention.selector import select_attention_backend
 from pagelm.backends.flashinfer import FlashInferAttentionBackend
 from pagelm.backends.flashinfer import backend as fi_backend
-from pagelm.backends.flashinfer.layout import padded_decode_table, page_table, step_layout
+from pagelm.backends.flashinfer.layout import common_prefix_blocks, padded_decode_table, page_table, step_layout
 from pagelm.backends.torch import TorchAttentionBackend
 from pagelm.testing.conformance import paged_metadata
 from pagelm.config import EngineConfig
 from pagelm.plugin_manager import get_plugin_manager
-from pagelm.worker.model_runner import common_prefix_blocks
 
 CONFIG = EngineConfig(model="(test)", attention_backend="flashinfer")
 LLAMA_8B = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, scale=1 / math.sqrt(128))
@@ -51,7 +50,7 @@ def run_against_torch(seqs, num_heads, num_kv_heads, head_dim, block_size, *, dt
 
     The first ``shared_blocks`` blocks of every request are the same physical blocks holding
     the same K/V (a prefix-cache hit); with ``cascade`` (default: when there are shared
-    blocks) the second step tells the builder so, as the runner would."""
+    blocks) the builder's cascade threshold is ``shared_blocks``, so it finds them itself."""
     device = torch.device(device)
     cascade = bool(shared_blocks) if cascade is None else cascade
     shared_tokens = shared_blocks * block_size
@@ -78,6 +77,7 @@ def run_against_torch(seqs, num_heads, num_kv_heads, head_dim, block_size, *, dt
     if device.type == "cpu":
         fi_builder.workspace_bytes = 1 << 16
     fi_builder.bind_layers([spec], dtype)
+    fi_builder.cascade_min_blocks = shared_blocks if cascade else 0
     runs = {}
     for name, backend, builder in (
         ("flashinfer", FlashInferAttentionBackend, fi_builder),
@@ -86,13 +86,13 @@ def run_against_torch(seqs, num_heads, num_kv_heads, head_dim, block_size, *, dt
         shape = backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
         runs[name] = (backend.make_impl(spec), builder, torch.zeros(shape, dtype=dtype, device=device))
 
-    def step(ranges, num_common, queries=True):
+    def step(ranges, queries=True):
         """One forward over (request, first position, end position) ranges (zero queries
         when ``queries`` is False: the first step only fills the caches)."""
         rows = block_table[[i for i, _, _ in ranges]]
         common = paged_metadata(
             rows, [(lo, hi) for _, lo, hi in ranges], block_size, device,
-            block_table_cpu=rows if host_block_table else None, num_common_prefix_blocks=num_common,
+            block_table_cpu=rows if host_block_table else None,
         )
         k, v = (torch.cat([qkv[i][j][lo:hi] for i, lo, hi in ranges]).flatten(1).to(device, dtype) for j in (1, 2))
         if queries:
@@ -107,8 +107,8 @@ def run_against_torch(seqs, num_heads, num_kv_heads, head_dim, block_size, *, dt
 
     cached = [(i, 0, c) for i, (c, _) in enumerate(seqs) if c]
     if cached:
-        step(cached, 0, queries=False)
-    outs, mds = step([(i, c, c + n) for i, (c, n) in enumerate(seqs)], shared_blocks if cascade else 0)
+        step(cached, queries=False)
+    outs, mds = step([(i, c, c + n) for i, (c, n) in enumerate(seqs)])
     return outs["flashinfer"], outs["torch"], mds["flashinfer"], fi_builder
 
 
@@ -197,18 +197,31 @@ def test_auto_on_cuda_prefers_triton_then_flashinfer(monkeypatch, caplog):
     assert _auto("cuda", torch.float32).name == "triton"  # FlashInfer has no float32 kernels
 
 
-def test_cascade_threshold_is_validated_and_is_an_engine_flag():
-    with pytest.raises(ValueError, match="cascade_attention_min_blocks must be >= 0"):
-        EngineConfig(model="m", cascade_attention_min_blocks=-1)
+def test_cascade_threshold_is_the_backends_own_setting_and_is_validated():
     import argparse
 
     from pagelm.cli.engine_args import add_engine_args, engine_kwargs
 
+    spec = AttentionSpec(4, 2, 64, 0.125)
+    for bad in (-1, 1.5, "4", True):
+        problems = FlashInferAttentionBackend.validate(cascade_config(bad), spec, torch.float16, torch.device("cpu"))
+        assert any(p.startswith("plugin_config['flashinfer']['cascade_attention_min_blocks'] must be an integer >= 0")
+                   for p in problems), (bad, problems)
+    ok = FlashInferAttentionBackend.validate(cascade_config(4), spec, torch.float16, torch.device("cpu"))
+    assert not any("cascade" in p for p in ok)
+    builder = FlashInferAttentionBackend.make_metadata_builder(torch.device("cpu"))
+    assert builder.cascade_min_blocks == 0  # off by default
+    builder.configure(EngineConfig(model="m"))
+    assert builder.cascade_min_blocks == 0
+    builder.configure(cascade_config(4))
+    assert builder.cascade_min_blocks == 4
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    args = parser.parse_args(["--cascade-attention-min-blocks", "0", "--attention-backend", "flashinfer"])
+    args = parser.parse_args(
+        ["--plugin-config", '{"flashinfer": {"cascade_attention_min_blocks": 4}}', "--attention-backend", "flashinfer"]
+    )
     kwargs = engine_kwargs(args)
-    assert kwargs["cascade_attention_min_blocks"] == 0 and kwargs["attention_backend"] == "flashinfer"
+    assert kwargs["plugin_config"] == {"flashinfer": {"cascade_attention_min_blocks": 4}}
 
 
 # =============================================================================================
@@ -344,7 +357,7 @@ def test_plan_runs_once_per_step_not_per_layer(fake_fi):
         assert g.decode.num_plans == 1 and g.prefill.num_plans == 0
 
 
-def _decode_step(num_reqs, block_size, seq_lens=None, num_padded=None, num_common=0):
+def _decode_step(num_reqs, block_size, seq_lens=None, num_padded=None):
     """A decode step's common metadata over blocks 1.. (padded rows: seq_len 1, slot -1)."""
     size = num_padded or num_reqs
     seq_lens = seq_lens or [5 + 3 * i for i in range(num_reqs)]
@@ -358,7 +371,7 @@ def _decode_step(num_reqs, block_size, seq_lens=None, num_padded=None, num_commo
     common = CommonAttentionMetadata(
         num_reqs=size, num_actual_tokens=size, max_query_len=1, max_seq_len=int(lens.max()), query_start_loc=qsl,
         seq_lens=lens, block_table=table, slot_mapping=slots, query_start_loc_cpu=qsl, seq_lens_cpu=lens,
-        block_size=block_size, block_table_cpu=table[:num_reqs], num_common_prefix_blocks=num_common,
+        block_size=block_size, block_table_cpu=table[:num_reqs],
     )
     return table, lens, common
 
@@ -404,9 +417,9 @@ def test_graph_replay_reads_the_plan_made_before_it(fake_fi):
     assert builder.num_graph_plans == 3  # capture + two replays
 
 
-def _shared_prefix_step(block_size, seq_lens, num_padded, num_common, shared_blocks=2):
+def _shared_prefix_step(block_size, seq_lens, num_padded, shared_blocks=2):
     """Decode rows whose first ``shared_blocks`` blocks are the same (5, 6, ...), then their
-    own; ``num_common`` is what the metadata declares as the common prefix."""
+    own."""
     size, num_reqs, width = num_padded, len(seq_lens), 8
     table = torch.zeros(size, width, dtype=torch.int32)
     for i in range(num_reqs):
@@ -420,8 +433,12 @@ def _shared_prefix_step(block_size, seq_lens, num_padded, num_common, shared_blo
     return CommonAttentionMetadata(
         num_reqs=size, num_actual_tokens=size, max_query_len=1, max_seq_len=int(lens.max()), query_start_loc=qsl,
         seq_lens=lens, block_table=table, slot_mapping=slots, query_start_loc_cpu=qsl, seq_lens_cpu=lens,
-        block_size=block_size, block_table_cpu=table[:num_reqs], num_common_prefix_blocks=num_common,
+        block_size=block_size, block_table_cpu=table[:num_reqs],
     )
+
+
+def cascade_config(min_blocks):
+    return EngineConfig(model="m", plugin_config={"flashinfer": {"cascade_attention_min_blocks": min_blocks}})
 
 
 def test_cascade_graph_variant_replays_a_shared_prefix_batch(fake_fi):
@@ -429,14 +446,14 @@ def test_cascade_graph_variant_replays_a_shared_prefix_batch(fake_fi):
     over a common prefix replays it (shared level over the prefix + each request's own pages,
     merged) and equals attention over the whole sequences; a batch without one replays the
     plain graph."""
-    from types import SimpleNamespace
-
     spec, bs = AttentionSpec(8, 2, 64, 0.125), 4
     builder = FlashInferAttentionBackend.make_metadata_builder(torch.device("cpu"))
     builder.workspace_bytes = 1 << 16
     builder.bind_layers([spec], torch.float32)
-    assert builder.cudagraph_variants(SimpleNamespace(cascade_attention_min_blocks=2)) == ("", "cascade")
-    assert builder.cudagraph_variants(SimpleNamespace(cascade_attention_min_blocks=0)) == ("",)
+    builder.configure(cascade_config(0))
+    assert builder.cudagraph_variants(cascade_config(0)) == ("",)
+    builder.configure(cascade_config(2))
+    assert builder.cudagraph_variants(cascade_config(2)) == ("", "cascade")
     slot_buffer = torch.full((4,), -1)
     builder.build_for_cudagraph(_capture_common(4, bs, slot_buffer))
     captured = builder.build_for_cudagraph(_capture_common(4, bs, slot_buffer), variant="cascade")
@@ -447,12 +464,12 @@ def test_cascade_graph_variant_replays_a_shared_prefix_batch(fake_fi):
     cache = torch.randn(FlashInferAttentionBackend.get_kv_cache_shape(64, bs, 2, 64))
     ref_cache = cache.transpose(0, 1).contiguous()
     for seq_lens in ([13, 10, 15], [9, 22, 12]):
-        common = _shared_prefix_step(bs, seq_lens, num_padded=4, num_common=2)
+        common = _shared_prefix_step(bs, seq_lens, num_padded=4)  # the builder finds the 2 shared blocks
         slot_buffer.copy_(common.slot_mapping)
         assert builder.prepare_cudagraph_replay(common, num_reqs=3) == "cascade"
         q, kv = torch.randn(4, 8 * 64), torch.randn(4, 2 * 64)
         got = impl.forward(q, kv, kv, cache, captured)[:3]
-        ref_common = _shared_prefix_step(bs, seq_lens, num_padded=3, num_common=0)
+        ref_common = _shared_prefix_step(bs, seq_lens, num_padded=3)
         want = ref_impl.forward(q[:3], kv[:3], kv[:3], ref_cache, TorchAttentionBackend.make_metadata_builder(None).build(ref_common))
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     assert builder.num_cascade_steps == 2
@@ -465,8 +482,9 @@ def test_a_batch_declines_the_graph_for_cascade_when_the_prefix_is_worth_it(fake
     builder.workspace_bytes = 1 << 16
     builder.bind_layers([AttentionSpec(8, 2, 64, 0.125)] * 3, torch.float32)  # 3 layers
     assert builder.kv_bytes_per_token == 3 * 2 * 2 * 64 * 4
+    builder.configure(cascade_config(1))
     builder.build_for_cudagraph(_capture_common(4, 4))
-    _, _, common = _decode_step(3, 4, num_padded=4, num_common=1)
+    common = _shared_prefix_step(4, [5, 8, 11], num_padded=4, shared_blocks=1)  # 1 common block
     # cascade would spare 2 requests x 4 tokens x 3 KiB: not worth giving up the graph...
     builder.cascade_graph_min_saved_bytes = 2 * 4 * 3072 + 1
     assert builder.prepare_cudagraph_replay(common, num_reqs=3) is True
@@ -499,10 +517,10 @@ def test_engine_greedy_tokens_equal_the_reference_with_and_without_cascade(make_
     system = list(range(5, 45))  # 40 tokens = 10 shared blocks
     prompts = [{"prompt_token_ids": system + [50 + 7 * i + j for j in range(3 + i)]} for i in range(6)]
     want, _ = _tokens(model_dir, "torch", prompts)
-    got, builder = _tokens(model_dir, "flashinfer", prompts, cascade_attention_min_blocks=4)
+    got, builder = _tokens(model_dir, "flashinfer", prompts, plugin_config=cascade_config(4).plugin_config)
     assert got == want
     assert builder.num_cascade_steps > 0  # the decodes over the system prompt ran as cascade
-    got_off, builder_off = _tokens(model_dir, "flashinfer", prompts, cascade_attention_min_blocks=0)
+    got_off, builder_off = _tokens(model_dir, "flashinfer", prompts)
     assert got_off == want and builder_off.num_cascade_steps == 0
 
 
@@ -529,11 +547,12 @@ def test_throughput_bench_runs_the_shared_prefix_workload(llama_dir, tmp_path):
     out = tmp_path / "throughput.json"
     rc = main([
         "bench", "throughput", "--model", str(llama_dir), "--workload", "shared-prefix", "--num-seqs", "4",
-        "--prefix-len", "32", "--input-len", "8", "--output-len", "5", "--cascade-attention-min-blocks", "0",
+        "--prefix-len", "32", "--input-len", "8", "--output-len", "5",
+        "--plugin-config", '{"flashinfer": {"cascade_attention_min_blocks": 0}}',
         "--json", str(out),
     ])
     assert rc == 0
     report = json.loads(out.read_text())
     (result,) = report["results"]
-    assert report["workload"] == "shared-prefix" and report["engine_args"]["cascade_attention_min_blocks"] == 0
+    assert report["workload"] == "shared-prefix" and report["engine_args"]["plugin_config"] == cascade_config(0).plugin_config
     assert (result["num_requests"], result["prompt_tokens"], result["output_tokens"]) == (4, 160, 20)

@@ -295,9 +295,9 @@ def test_cascade_on_and_off_give_the_same_tokens(head128_model):
         builder.cascade_graph_min_saved_bytes = 0
 
     on, on_stats = _generate(head128_model, prompts, max_tokens=24, attention_backend="flashinfer",
-                             cascade_attention_min_blocks=16, setup=always)
+                             plugin_config={"flashinfer": {"cascade_attention_min_blocks": 16}}, setup=always)
     off, off_stats = _generate(head128_model, prompts, max_tokens=24, attention_backend="flashinfer",
-                               cascade_attention_min_blocks=0)
+                               plugin_config={"flashinfer": {"cascade_attention_min_blocks": 0}})
     assert on_stats["cascade_steps"] >= 20 and off_stats["cascade_steps"] == 0
     assert off_stats["graph_replays"] > 0  # without cascade, the same decodes replay graphs
     assert_same_greedy(off, on, ("cascade off", "cascade on"))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagelm.attention import AttentionBackend, AttentionImpl, AttentionSpec, GraphSupport
-from pagelm.backends.flashinfer.metadata import FlashInferMetadata, FlashInferMetadataBuilder
+from pagelm.backends.flashinfer.metadata import FlashInferMetadata, FlashInferMetadataBuilder, cascade_min_blocks
 
 if TYPE_CHECKING:
     from pagelm.config import EngineConfig
@@ -117,6 +117,12 @@ class FlashInferAttentionBackend(AttentionBackend):
             problems.append(f"attention backend {cls.name!r} needs the flashinfer package: {INSTALL_HINT}")
         if spec.num_heads % spec.num_kv_heads:
             problems.append(f"num_heads={spec.num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}")
+        min_blocks = cascade_min_blocks(config)
+        if type(min_blocks) is not int or min_blocks < 0:
+            problems.append(
+                "plugin_config['flashinfer']['cascade_attention_min_blocks'] must be an integer >= 0 "
+                f"(0 = off), got {min_blocks!r}"
+            )
         return problems
 
     @staticmethod

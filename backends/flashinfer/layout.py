@@ -8,8 +8,8 @@ to the decode wrapper and which to the prefill wrapper, and each part's KV as a 
                 last_page_len = tokens in its last page (1 .. block_size)
 
 With cascade attention the first ``num_common_prefix_blocks`` blocks, identical in every
-row, become one page table of their own (the shared level, attended once by every query
-token); each request's own table then starts after them.
+row (``common_prefix_blocks``), become one page table of their own (the shared level,
+attended once by every query token); each request's own table then starts after them.
 """
 
 from __future__ import annotations
@@ -28,6 +28,27 @@ class PageTable:
     @property
     def num_rows(self) -> int:
         return len(self.last_page_len)
+
+
+def common_prefix_blocks(
+    block_table: np.ndarray, num_computed_tokens: np.ndarray, block_size: int, min_blocks: int
+) -> int:
+    """Leading block-table columns identical in every row and cached before this step (every
+    request has computed past them, so all of its new tokens come after them): the prefix that
+    cascade attention reads once for the batch. 0 when fewer than ``min_blocks`` (0: off) or
+    fewer than two requests::
+
+        r0: | 4 5 6 | 7 1 |      3 common blocks, if each request has computed
+        r1: | 4 5 6 | 9 2 |      at least 3 * block_size tokens
+    """
+    if min_blocks <= 0 or len(block_table) < 2:
+        return 0
+    limit = int(num_computed_tokens.min()) // block_size
+    if limit < min_blocks:
+        return 0
+    same = (block_table[:, :limit] == block_table[0, :limit]).all(axis=0)
+    num = limit if same.all() else int(same.argmin())
+    return num if num >= min_blocks else 0
 
 
 def page_table(block_table: np.ndarray, kv_lens: np.ndarray, block_size: int, first_block: int = 0) -> PageTable:

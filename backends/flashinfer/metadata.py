@@ -15,8 +15,8 @@ mixes sliding-window and full layers), all sharing one float workspace allocated
   index buffer per level), so pagelm composes the same two levels from its FA2 wrappers;
 * ``graph_decode[size]``: a decode wrapper per captured batch size, in CUDA-graph mode (fixed
   index buffers), planned again before every replay by ``prepare_cudagraph_replay``;
-* ``graph_shared[size]``: with cascade attention on (``cascade_attention_min_blocks > 0``),
-  the shared level of a ``"cascade"`` graph variant per size: a prefill wrapper in CUDA-graph
+* ``graph_shared[size]``: with cascade attention on (``cascade_min_blocks``: the setting
+  ``plugin_config["flashinfer"]["cascade_attention_min_blocks"] > 0``), the shared level of a ``"cascade"`` graph variant per size: a prefill wrapper in CUDA-graph
   mode whose one row is the batch's ``size`` query tokens over the common prefix. A decode
   batch with a common prefix replays that variant (the decode wrapper then planned over each
   request's own pages after the prefix); others replay the plain graph.
@@ -37,6 +37,7 @@ import torch
 from pagelm.attention import AttentionMetadataBuilder, AttentionSpec, CommonAttentionMetadata
 from pagelm.backends.flashinfer.layout import (
     PageTable,
+    common_prefix_blocks,
     padded_decode_table,
     shared_prefix_table,
     step_layout,
@@ -53,6 +54,16 @@ TENSOR_CORE_MIN_GROUP = 4
 # read once instead of once per request. 4 GiB is ~1.4 ms of HBM on an H100, more than an
 # eager step's launch overhead on a small model (a few ms of host time hidden behind that).
 CASCADE_GRAPH_MIN_SAVED_BYTES = 4 << 30
+
+
+def cascade_min_blocks(config: Any) -> Any:
+    """The cascade threshold as set: ``plugin_config["flashinfer"]["cascade_attention_min_blocks"]``.
+    When every request of a step shares at least this many leading, already-cached KV blocks
+    (many requests over one system prompt), they are attended once for the whole batch. 0
+    (the default) turns it off: on the H100 it pays only with large batches over a long
+    prefix (docs/benchmarks.md). Checked by the backend's ``validate``."""
+    section = config.plugin_config.get("flashinfer") or {}
+    return section.get("cascade_attention_min_blocks", 0) if isinstance(section, dict) else section
 
 
 @dataclass(frozen=True)
@@ -188,6 +199,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         self.kv_bytes_per_token = 0  # K and V of one token, all layers
         self.num_cascade_steps = 0  # steps that ran cascade attention (read by tests)
         self.num_graph_plans = 0  # graph wrapper plans: one per captured size, then one per replay
+        self.cascade_min_blocks = 0  # off until configure() reads the setting
+
+    def configure(self, config: Any) -> None:
+        self.cascade_min_blocks = cascade_min_blocks(config)
 
     def bind_layers(self, specs: Sequence[AttentionSpec], dtype: torch.dtype) -> None:
         try:
@@ -211,12 +226,22 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         """A window could hide part of the shared prefix from some queries: no cascade then."""
         return all(g.window_left < 0 for g in self.groups.values())
 
+    def _num_common_blocks(self, common: CommonAttentionMetadata, table: np.ndarray) -> int:
+        """Cascade's shared prefix for the ``len(table)`` real requests of this step, from the
+        host copies the runner gives (no device read): what every request had computed
+        before the step is its ``seq_len`` less its query length. Nothing to do when off."""
+        if not self.cascade_min_blocks or not self.cascade_allowed:
+            return 0
+        n = len(table)
+        computed = common.seq_lens_cpu.numpy()[:n] - np.diff(common.query_start_loc_cpu.numpy()[: n + 1])
+        return common_prefix_blocks(table, computed, common.block_size, self.cascade_min_blocks)
+
     # ---- eager steps ---------------------------------------------------------------------
     def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         assert self.groups, "bind_layers() must be called before build()"
         bs = common.block_size
-        num_common = common.num_common_prefix_blocks if self.cascade_allowed else 0
         table = self._host_block_table(common, common.num_reqs)
+        num_common = self._num_common_blocks(common, table)
         layout = step_layout(common.query_start_loc_cpu.numpy(), common.seq_lens_cpu.numpy(), table, bs, num_common)
         decode_idx, prefill_idx, shared_idx = self._upload_indices([layout.decode, layout.prefill, layout.shared])
         plans = {}
@@ -239,7 +264,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
     # ---- CUDA graphs ---------------------------------------------------------------------
     def cudagraph_variants(self, config) -> tuple[str, ...]:
         """With cascade attention on, a ``"cascade"`` graph per size beside the plain one."""
-        cascade = getattr(config, "cascade_attention_min_blocks", 0) > 0 and self.cascade_allowed
+        cascade = self.cascade_min_blocks > 0 and self.cascade_allowed
         return ("", "cascade") if cascade else ("",)
 
     def build_for_cudagraph(self, common: CommonAttentionMetadata, variant: str = "") -> FlashInferMetadata:
@@ -268,7 +293,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         variant was captured), the plain one otherwise. Without cascade graphs, a batch whose
         shared prefix is worth it runs eagerly, where cascade reads the prefix once."""
         size = common.num_reqs
-        num_common = common.num_common_prefix_blocks if self.cascade_allowed else 0
+        num_common = self._num_common_blocks(common, self._host_block_table(common, num_reqs))
         if num_common and all(size in g.graph_shared for g in self.groups.values()):
             self._plan_graph(common, num_reqs, num_common_prefix_blocks=num_common)
             self.num_cascade_steps += 1

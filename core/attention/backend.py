@@ -72,15 +72,14 @@ class CommonAttentionMetadata:
     # Host copy of the block table's rows, as many columns as the longest request uses (None:
     # not provided, e.g. at graph capture; read ``block_table`` then, which syncs).
     block_table_cpu: torch.Tensor | None = None
-    # Leading blocks that every request of the step shares and had cached before it (so all
-    # of this step's query tokens come after them): what cascade attention reads once for the
-    # whole batch. The runner sets it only for >= 2 requests sharing at least
-    # ``EngineConfig.cascade_attention_min_blocks`` blocks, so 0 means "no cascade".
-    num_common_prefix_blocks: int = 0
 
 
 class AttentionMetadataBuilder(ABC):
     """Built once per engine; ``build`` runs once per step, never per layer."""
+
+    def configure(self, config: "EngineConfig") -> None:
+        """The engine's config, given once right after the builder is made: a backend reads
+        its own settings here (``config.plugin_config[name]``). Default: nothing."""
 
     def bind_layers(self, specs: Sequence[AttentionSpec], dtype: torch.dtype) -> None:
         """The model's attention layers (one spec per layer, in order) and the KV cache dtype,

@@ -626,7 +626,7 @@ def paged_metadata(
 ) -> CommonAttentionMetadata:
     """The step a test feeds a backend: request ``i`` (row ``i`` of ``block_table``) computes
     positions ``ranges[i] = (lo, hi)`` over ``lo`` cached tokens; ``extra`` sets optional
-    fields (e.g. ``num_common_prefix_blocks``)."""
+    fields (e.g. ``block_table_cpu``)."""
     slots, qsl, lens = [], [0], []
     for i, (lo, hi) in enumerate(ranges):
         pos = torch.arange(lo, hi)

@@ -135,10 +135,7 @@ class CudaGraphRunner:
         )
 
     # ---- per step ------------------------------------------------------------------------
-    def load(
-        self, input_ids, seq_lens: np.ndarray, block_rows: np.ndarray, size: int,
-        num_common_prefix_blocks: int = 0,
-    ) -> bool:
+    def load(self, input_ids, seq_lens: np.ndarray, block_rows: np.ndarray, size: int) -> bool:
         """Stage ``n = len(block_rows)`` requests padded to ``size``: ``input_ids`` holds
         ``q`` ids per request (``PAD_TOKEN`` in front of a request with fewer), ``seq_lens``
         each request's length after this step. False: the attention backend declined the
@@ -161,7 +158,6 @@ class CudaGraphRunner:
         seq_lens_cpu[:n] = torch.from_numpy(np.asarray(seq_lens, dtype=np.int32))
         common = self.common_metadata(size, seq_lens_cpu)
         common.block_table_cpu = torch.from_numpy(block_rows)
-        common.num_common_prefix_blocks = num_common_prefix_blocks
         choice = self.builder.prepare_cudagraph_replay(common, n)
         if choice is False:
             return False

@@ -81,6 +81,7 @@ class ModelRunner:
         self._arange = np.arange(self.max_num_reqs + 1, dtype=np.int32)
         self.buffers = InputBuffers(config.max_num_batched_tokens, self.max_num_reqs, max_blocks_per_req, device)
         self.metadata_builder = backend.make_metadata_builder(device)
+        self.metadata_builder.configure(config)
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CudaGraphRunner | None = None
         self.sampler = Sampler()
@@ -408,7 +409,7 @@ class ModelRunner:
         if allow_graph and uniform_decode and self.cuda_graphs is not None:
             graph_size = self.cuda_graphs.padded_size(num_reqs)
             step = self._prepare_graph_inputs(states, starts_np, graph_size) if graph_size is not None else None
-            if step is not None:  # None: the backend wants this batch eager (e.g. cascade)
+            if step is not None:  # None: the backend wants this batch eager
                 return step
 
         rows = self._write_tokens(states, starts, counts, starts_np, counts_np, uniform_decode, drafts)
@@ -476,9 +477,6 @@ class ModelRunner:
             seq_lens_cpu=b.seq_lens.host[:num_reqs],
             block_size=bs,
             block_table_cpu=torch.from_numpy(table_rows),
-            num_common_prefix_blocks=common_prefix_blocks(
-                table_rows, starts_np, bs, self.config.cascade_attention_min_blocks
-            ),
         )
         return StepInputs(
             num_reqs, num_tokens, common, input_ids[:num_tokens], positions_dev[:num_tokens], uniform_decode
@@ -494,10 +492,7 @@ class ModelRunner:
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
         input_ids = [s.token_ids[c] for s, c in zip(states, starts_np.tolist())]
         table_rows = self.block_table_cpu[rows, :max_cols]
-        common_blocks = common_prefix_blocks(
-            table_rows, starts_np, self.block_size, self.config.cascade_attention_min_blocks
-        )
-        if not self.cuda_graphs.load(input_ids, seq_lens, table_rows, graph_size, common_blocks):
+        if not self.cuda_graphs.load(input_ids, seq_lens, table_rows, graph_size):
             return None
         common = self.cuda_graphs.common_metadata(graph_size)
         return StepInputs(num_reqs, num_reqs, common, None, None, True, graph_size)
@@ -523,27 +518,6 @@ class ModelRunner:
             targets = to_device(state.token_ids[start + 1 : start + 1 + num], torch.long, logits.device)
             out[state.req_id] = chosen_and_top_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, k)
         return out
-
-
-def common_prefix_blocks(
-    block_table: np.ndarray, num_computed_tokens: np.ndarray, block_size: int, min_blocks: int
-) -> int:
-    """Leading block-table columns identical in every row and cached before this step (every
-    request has computed past them, so all of its new tokens come after them): the prefix that
-    cascade attention reads once for the batch. 0 when fewer than ``min_blocks`` (0: off) or
-    fewer than two requests::
-
-        r0: | 4 5 6 | 7 1 |      3 common blocks, if each request has computed
-        r1: | 4 5 6 | 9 2 |      at least 3 * block_size tokens
-    """
-    if min_blocks <= 0 or len(block_table) < 2:
-        return 0
-    limit = int(num_computed_tokens.min()) // block_size
-    if limit < min_blocks:
-        return 0
-    same = (block_table[:, :limit] == block_table[0, :limit]).all(axis=0)
-    num = limit if same.all() else int(same.argmin())
-    return num if num >= min_blocks else 0
 
 
 def chosen_and_top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobsTensors:

@@ -148,7 +148,6 @@ class SpecDecodeRunner:
         seq_lens = np.asarray(starts, dtype=np.int64) + np.asarray(counts, dtype=np.int64)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
         table_rows = runner.block_table_cpu[rows, : cdiv(int(seq_lens.max()), runner.block_size)]
-        # Graphs hold no cascade attention: no common prefix is offered.
         if not graphs.load(tokens.reshape(-1), seq_lens, table_rows, size):
             return None
         common = graphs.common_metadata(n, torch.from_numpy(seq_lens.astype(np.int32)))

@@ -8,8 +8,8 @@ Workloads (token ids, EOS ignored, so every request makes exactly its output len
 - ``fixed``: ``--num-seqs`` prompts of exactly ``--input-len`` ids, ``--output-len`` each.
 - ``shared-prefix``: ``--num-seqs`` prompts of one shared ``--prefix-len``-id system prompt
   followed by ``--input-len`` ids of their own, ``--output-len`` each (the prefix cache serves
-  the prefix; with ``--cascade-attention-min-blocks 0`` vs its default, cascade attention off
-  vs on).
+  the prefix; with ``--plugin-config '{"flashinfer": {"cascade_attention_min_blocks": N}}'``
+  vs without, cascade attention on vs off).
 
 Reported: wall time of the timed ``generate`` (after a short warm-up), requests/s, output
 tokens/s (nano-vllm's figure) and total (prompt + output) tokens/s.
