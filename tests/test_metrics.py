@@ -225,35 +225,56 @@ class Recorder(StatLogger):
         self.aborted.append((reason, count))
 
 
+class Raises(StatLogger):
+    """A third party's broken stat logger."""
+
+    name = "raises"
+
+    def record(self, stats, iteration=None):
+        raise RuntimeError("record: boom")
+
+
 class RecorderPlugin:
+    def __init__(self, *loggers):
+        self.loggers = loggers or (Recorder,)
+
     @hookimpl
     def pagelm_register_stat_loggers(self, registry):
-        registry.add(Recorder.name, Recorder)
+        for cls in self.loggers:
+            registry.add(cls.name, cls)
 
 
-def test_a_plugins_stat_logger_receives_the_stats_of_a_real_run(llama_dir):
+def run_two_requests(llama_dir, *loggers):
+    """Two greedy 5-token requests through an in-process AsyncLLM with ``loggers`` registered
+    as a plugin; returns the engine (shut down) and the outputs' token ids."""
     pm = get_plugin_manager()
-    pm.register(RecorderPlugin(), name="test-recorder")
+    pm.register(RecorderPlugin(*loggers), name="test-recorder")
     Recorder.made.clear()
     loop = asyncio.new_event_loop()
     config = EngineConfig.from_kwargs(str(llama_dir), num_kv_blocks=64, max_model_len=256)
-    engine = AsyncLLM(config, engine_process=False, model_name="tiny")
     try:
-        assert sorted(engine.stat_loggers) == ["logging", "prometheus", "recorder"]  # beside the built-ins
+        engine = AsyncLLM(config, engine_process=False, model_name="tiny")
         params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
         async def run(request_id):
-            return [o async for o in engine.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, request_id)]
+            outs = [o async for o in engine.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, request_id)]
+            return [t for o in outs for t in o.outputs[0].token_ids]
 
         async def both():
             return await asyncio.gather(run("a"), run("b"))
 
-        loop.run_until_complete(both())
-    finally:
+        tokens = loop.run_until_complete(both())
         engine.shutdown()
         loop.run_until_complete(asyncio.sleep(0))
+    finally:
         loop.close()
         pm.unregister("test-recorder")
+    return engine, config, tokens
+
+
+def test_a_plugins_stat_logger_receives_the_stats_of_a_real_run(llama_dir):
+    engine, config, _ = run_two_requests(llama_dir)
+    assert sorted(engine.stat_loggers) == ["logging", "prometheus", "recorder"]  # beside the built-ins
     [rec] = Recorder.made
     assert rec.model_name == "tiny" and rec.max_model_len == 256 and rec.config is config
     assert rec.start.num_kv_blocks == 64 == rec.start.num_free_blocks
@@ -266,3 +287,13 @@ def test_a_plugins_stat_logger_receives_the_stats_of_a_real_run(llama_dir):
     # The prometheus logger saw the same steps.
     prom = samples(engine.stat_loggers["prometheus"])
     assert prom["vllm:generation_tokens_total"] == 10 and prom["vllm:request_success_total[length]"] == 2
+
+
+def test_a_raising_stat_logger_is_dropped_and_the_engine_serves_on(llama_dir, caplog):
+    with caplog.at_level(logging.ERROR, logger="pagelm"):
+        engine, _, tokens = run_two_requests(llama_dir, Raises, Recorder)
+    assert "raises" not in engine.stat_loggers and "recorder" in engine.stat_loggers
+    assert "stat logger 'raises' raised in record and is dropped" in caplog.text
+    assert [len(t) for t in tokens] == [5, 5] and tokens[0] == tokens[1]  # same greedy prompt
+    [rec] = Recorder.made
+    assert sum(it.num_generation_tokens for _, it in rec.steps if it is not None) == 10

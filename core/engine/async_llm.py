@@ -220,13 +220,12 @@ class AsyncLLM:
         live = [i for i in processor.expand_ids([request_id]) if i in processor.states]
         if live:  # else it has finished already
             self.engine.abort_request(live)
-            for stat_logger in self.stat_loggers.values():  # each sample is a request, as in vLLM
-                stat_logger.request_finished("abort", len(live))
+            # Each sample is a request, as in vLLM.
+            self._to_stat_loggers("request_finished", lambda s: s.request_finished("abort", len(live)))
 
     # ---- the output side ------------------------------------------------------------------
     async def _output_loop(self) -> None:
         processor = self.engine.output_processor
-        stat_loggers = list(self.stat_loggers.values())
         try:
             while True:
                 step = await self.core.get_output()
@@ -240,8 +239,7 @@ class AsyncLLM:
                     if stream is not None:
                         stream.put(out)
                 self.stats = step.stats
-                for stat_logger in stat_loggers:
-                    stat_logger.record(step.stats, iteration)
+                self._to_stat_loggers("record", lambda s: s.record(step.stats, iteration))
         except asyncio.CancelledError:
             raise
         except EngineDeadError as exc:
@@ -268,8 +266,7 @@ class AsyncLLM:
             self.dead_error = EngineDeadError(f"the engine core could not be restarted: {exc}")
             return
         self.stats = SchedulerStats(num_free_blocks=self.core.num_kv_blocks, num_kv_blocks=self.core.num_kv_blocks)
-        for stat_logger in self.stat_loggers.values():
-            stat_logger.engine_restarted(self.stats)
+        self._to_stat_loggers("engine_restarted", lambda s: s.engine_restarted(self.stats))
         self.dead_error = None
         self._tasks.append(asyncio.create_task(self._output_loop(), name="pagelm-output-loop"))
         logger.warning("the engine core is back")
@@ -298,5 +295,14 @@ class AsyncLLM:
     async def _log_loop(self) -> None:
         while True:
             await asyncio.sleep(self.log_stats_interval)
-            for stat_logger in self.stat_loggers.values():
-                stat_logger.log()
+            self._to_stat_loggers("log", lambda s: s.log())
+
+    def _to_stat_loggers(self, what: str, call) -> None:
+        """``call(stat_logger)`` for each; one that raises is logged and dropped, so that a
+        plugin's bug cannot stop the engine serving (as ``PluginManager.notify`` for hooks)."""
+        for name, stat_logger in list(self.stat_loggers.items()):
+            try:
+                call(stat_logger)
+            except Exception:
+                logger.exception("stat logger %r raised in %s and is dropped; the engine carries on", name, what)
+                del self.stat_loggers[name]
