@@ -272,7 +272,9 @@ def run_two_requests(llama_dir, *loggers):
     return engine, config, tokens
 
 
-def test_a_plugins_stat_logger_receives_the_stats_of_a_real_run(llama_dir):
+def test_hook_pagelm_register_stat_loggers(llama_dir):
+    """A third party's stat logger, registered through the hook, receives the stats of a real
+    run beside the built-in ones."""
     engine, config, _ = run_two_requests(llama_dir)
     assert sorted(engine.stat_loggers) == ["logging", "prometheus", "recorder"]  # beside the built-ins
     [rec] = Recorder.made
