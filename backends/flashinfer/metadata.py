@@ -232,8 +232,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         before the step is its ``seq_len`` less its query length. Nothing to do when off."""
         if not self.cascade_min_blocks or not self.cascade_allowed:
             return 0
-        n = len(table)
-        computed = common.seq_lens_cpu.numpy()[:n] - np.diff(common.query_start_loc_cpu.numpy()[: n + 1])
+        n, qsl = len(table), common.query_start_loc_cpu.numpy()
+        computed = common.seq_lens_cpu.numpy()[:n] - (qsl[1 : n + 1] - qsl[:n])  # (np.diff: 4x slower)
         return common_prefix_blocks(table, computed, common.block_size, self.cascade_min_blocks)
 
     # ---- eager steps ---------------------------------------------------------------------
