@@ -299,3 +299,35 @@ def test_a_raising_stat_logger_is_dropped_and_the_engine_serves_on(llama_dir, ca
     assert [len(t) for t in tokens] == [5, 5] and tokens[0] == tokens[1]  # same greedy prompt
     [rec] = Recorder.made
     assert sum(it.num_generation_tokens for _, it in rec.steps if it is not None) == 10
+
+
+class FailsToStart(StatLogger):
+    name = "fails_to_start"
+
+    def __init__(self, config, model_name, max_model_len, stats):
+        raise RuntimeError("no metrics backend reachable")
+
+    def record(self, stats, iteration=None):
+        pass
+
+
+def test_a_stat_logger_that_fails_to_start_fails_the_engine_and_shuts_its_core_down(llama_dir, monkeypatch):
+    import subprocess
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    pm = get_plugin_manager()
+    pm.register(RecorderPlugin(FailsToStart), name="test-fails")
+    try:
+        with pytest.raises(RuntimeError, match="no metrics backend reachable"):
+            AsyncLLM.from_model(str(llama_dir), num_kv_blocks=64, max_model_len=256)
+    finally:
+        pm.unregister("test-fails")
+    [core_proc] = started  # the engine core's process was shut down, not left to the garbage
+    assert core_proc.poll() == 0  # collector's finalizer (which terminates it: -SIGTERM)

@@ -110,12 +110,17 @@ class AsyncLLM:
         self.model_name = model_name or config.model
         self.stats = SchedulerStats(num_free_blocks=self.core.num_kv_blocks, num_kv_blocks=self.core.num_kv_blocks)
         # Every registered stat logger (pagelm.stat_logger), by name: built in, prometheus
-        # (the server's /metrics reads its registry) and logging.
-        registry = get_plugin_manager().stat_loggers()
-        self.stat_loggers = {
-            name: registry.get(name)(config, self.model_name, self.max_model_len, self.stats)
-            for name in registry.names()
-        }
+        # (the server's /metrics reads its registry) and logging. One that fails to start
+        # fails the engine's start, without leaving its core running.
+        try:
+            registry = get_plugin_manager().stat_loggers()
+            self.stat_loggers = {
+                name: registry.get(name)(config, self.model_name, self.max_model_len, self.stats)
+                for name in registry.names()
+            }
+        except BaseException:
+            self.core.shutdown()
+            raise
         self.log_stats_interval = log_stats_interval
         self.dead_error: EngineDeadError | None = None
         # A dead engine core is replaced (its requests fail) up to this many times.
