@@ -11,8 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagelm import LLM, SamplingParams, hookimpl
 from pagelm.cli.engine_args import add_engine_args, engine_kwargs
+from pagelm.config import EngineConfig
 from pagelm.engine.core_loop import SchedulerStats
-from pagelm.metrics import EngineMetrics
+from pagelm.plugins.metrics.prometheus import PrometheusStatLogger
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.spec_decode import Proposer
 from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
@@ -182,11 +183,11 @@ def test_speculative_config_is_a_json_flag():
 
 
 def test_prometheus_exposes_acceptance_counters():
-    m = EngineMetrics("tiny", 512)
-    m.record_step(SchedulerStats(num_kv_blocks=8, spec_num_drafts=2, spec_num_draft_tokens=6,
-                                 spec_num_accepted_tokens=3, spec_num_accepted_tokens_per_pos=[2, 1, 0]))
-    m.record_step(SchedulerStats(num_kv_blocks=8, spec_num_drafts=3, spec_num_draft_tokens=9,
-                                 spec_num_accepted_tokens=5, spec_num_accepted_tokens_per_pos=[3, 2, 0]))
+    m = PrometheusStatLogger(EngineConfig(model="tiny"), "tiny", 512, SchedulerStats(num_kv_blocks=8))
+    m.record(SchedulerStats(num_kv_blocks=8, spec_num_drafts=2, spec_num_draft_tokens=6,
+                            spec_num_accepted_tokens=3, spec_num_accepted_tokens_per_pos=[2, 1, 0]))
+    m.record(SchedulerStats(num_kv_blocks=8, spec_num_drafts=3, spec_num_draft_tokens=9,
+                            spec_num_accepted_tokens=5, spec_num_accepted_tokens_per_pos=[3, 2, 0]))
     text = generate_latest(m.registry).decode()
     samples = {(s.name, s.labels.get("position")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert samples[("vllm:spec_decode_num_drafts_total", None)] == 3
