@@ -261,7 +261,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
     from pagelm.sched.policy import SchedulingPolicy
     from pagelm.spec_decode.proposer import Proposer
     from pagelm.stat_logger import StatLogger
-    from pagelm.structured_output.backend import StructuredOutputBackend
+    from pagelm.structured_output import StructuredOutputBackend
     from pagelm.tool_parser import ToolParser
 
     return {

@@ -5,12 +5,9 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 from pagelm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagelm.structured_output.backend import StructuredOutputGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -89,8 +86,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None
-        # Guided decoding: this request's grammar state, set once its grammar has compiled.
-        self.grammar: StructuredOutputGrammar | None = None
+        # Guided decoding: the structured-output manager's state for this request (opaque to
+        # the core), set once its grammar is ready.
+        self.grammar: Any = None
         self.output_token_ids: list[int] = []
         # Steps scheduled that sample this request's next token and whose token has not come
         # back yet (``update_from_output`` turns each into a real token).

@@ -4,7 +4,7 @@ of the plugin folders by name (the core finds plugins through the plugin manager
 
 Layers, lowest first (docs/architecture.md draws them):
 1. contracts and plain data; 2. mechanisms (plugin manager, KV cache, scheduler, sampler,
-ops, guided-decoding manager, loading); 3. the worker (model runner); 4. the engine (core
+ops, loading); 3. the worker (model runner); 4. the engine (core
 loop, core process and client, output processing, stats collection); 5. the APIs (``LLM``, the
 ``pagelm`` command, the conformance kit and test fixtures).
 """
@@ -24,13 +24,13 @@ LAYERS = {
         "pagelm.hookspecs", "pagelm.plugin_api", "pagelm.registry", "pagelm.sched.policy",
         "pagelm.sched.request_queue", "pagelm.sched.output", "pagelm.attention",
         "pagelm.spec_decode.proposer", "pagelm.spec_decode.config", "pagelm.spec_decode.stats",
-        "pagelm.structured_output.backend", "pagelm.worker.output", "pagelm.engine.core_output",
+        "pagelm.structured_output", "pagelm.worker.output", "pagelm.engine.core_output",
         "pagelm.sample.metadata", "pagelm.kv_cache.block_hash", "pagelm.model_loader", "pagelm.executor",
         "pagelm.distributed", "pagelm.tool_parser", "pagelm.stat_logger",
     ],
     2: [
         "pagelm.plugin_manager", "pagelm.kv_cache", "pagelm.sched", "pagelm.sample", "pagelm.kernels",
-        "pagelm.spec_decode", "pagelm.structured_output",
+        "pagelm.spec_decode",
     ],
     3: ["pagelm.worker"],
     4: ["pagelm.engine"],

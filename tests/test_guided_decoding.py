@@ -14,15 +14,10 @@ import torch
 from pagelm import LLM, GuidedDecodingParams, SamplingParams, hookimpl
 from pagelm.engine.core_loop import decode_request, encode_request
 from pagelm.plugin_manager import get_plugin_manager
-from pagelm.registry import UnknownNameError
+from pagelm.registry import PluginError, UnknownNameError
 from pagelm.request import Request, RequestStatus
 from pagelm.sample.bitmask import unpack_bitmask
-from pagelm.structured_output import (
-    CompiledGrammar,
-    GrammarCache,
-    StructuredOutputBackend,
-    StructuredOutputGrammar,
-)
+from pagelm.plugins.structured_output import CompiledGrammar, GrammarBackend, GrammarCache, StructuredOutputGrammar
 
 SAMPLES = 20
 # The random model would happily emit whitespace between JSON tokens for ever.
@@ -338,7 +333,7 @@ class ScriptedCompiled(CompiledGrammar):
         return ScriptedGrammar(list(self.script))
 
 
-class ScriptedBackend(StructuredOutputBackend):
+class ScriptedBackend(GrammarBackend):
     """Test backend: ``grammar="7 8 9"`` forces those token ids; compiles wait for ``release``."""
 
     name = "scripted"
@@ -413,6 +408,28 @@ def test_aborting_a_request_that_waits_for_its_grammar_frees_it(scripted):
     core = engine.core
     assert not core.scheduler.requests and not core.structured_output.requests
     assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks
+
+
+def test_a_backend_written_for_the_version_1_contract_is_refused_naming_make_manager():
+    from pagelm import StructuredOutputBackend
+
+    class OldStyle(StructuredOutputBackend):  # compile() on the core's class, no make_manager
+        name = "old-style"
+
+        def compile(self, params):
+            return ScriptedCompiled([7])
+
+    class Plugin:
+        @hookimpl
+        def pagelm_register_structured_output_backends(self, registry):
+            registry.add(OldStyle.name, OldStyle)
+
+    get_plugin_manager().register(Plugin(), name="test-old-style-backend")
+    try:
+        with pytest.raises(PluginError, match=r"registers structured output backend 'old-style' .*does not implement make_manager"):
+            get_plugin_manager().structured_output_backends()
+    finally:
+        get_plugin_manager().unregister("test-old-style-backend")
 
 
 def test_an_unknown_backend_name_lists_the_registered_ones(llama_dir):
@@ -513,10 +530,10 @@ def test_json_strings_with_length_bounds_hold_no_raw_control_characters(backend)
 def manager(llama_dir):
     from pagelm import EngineConfig
     from pagelm.plugins.structured_output.xgrammar_backend import XgrammarBackend
-    from pagelm.structured_output import StructuredOutputManager
+    from pagelm.plugins.structured_output import GrammarManager
 
     config = EngineConfig(model=str(llama_dir), max_num_seqs=4, **ENGINE_ARGS)
-    manager = StructuredOutputManager(config, XgrammarBackend, 520, frozenset([EOS]))
+    manager = GrammarManager(config, XgrammarBackend, 520, frozenset([EOS]))
     yield manager
     manager.shutdown()
 
@@ -527,15 +544,14 @@ def guided_requests(manager, constraints: dict[str, dict]) -> dict[str, Request]
         requests[req_id] = Request(req_id, [5], guided(**constraint), eos_token_ids=frozenset([EOS]))
         manager.submit(requests[req_id])
     while manager.has_pending:
-        manager.wait(1.0)
-        manager.poll()
+        manager.poll(1.0)
     assert all(r.grammar is not None for r in requests.values())
     return requests
 
 
 @pytest.mark.parametrize("threaded", [True, False])
 def test_bitmask_rows_prepared_ahead_follow_the_order_each_step_asks_for(manager, monkeypatch, threaded):
-    from pagelm.structured_output import manager as manager_module
+    from pagelm.plugins.structured_output import manager as manager_module
 
     # On the worker thread however few the requests, or always in grammar_bitmask.
     monkeypatch.setattr(manager_module, "_THREADED_MIN_REQUESTS", 1 if threaded else 10**9)

@@ -16,7 +16,7 @@ from pagelm.plugins.structured_output.xgrammar_backend import XgrammarBackend
 from pagelm.request import Request
 from pagelm.sample.bitmask import unpack_bitmask
 from pagelm.spec_decode import Proposer
-from pagelm.structured_output import StructuredOutputManager
+from pagelm.plugins.structured_output import GrammarManager
 from spec_helpers import count_launches, registered_proposer
 
 EOS = 1  # the tiny tokenizer's <|eos|>
@@ -211,7 +211,7 @@ def test_max_tokens_ends_a_guided_request_with_drafts_at_the_same_token(tokenize
 @pytest.fixture
 def manager(llama_dir):
     config = EngineConfig(model=str(llama_dir), max_num_seqs=4, **ENGINE_ARGS)
-    manager = StructuredOutputManager(config, XgrammarBackend, VOCAB, frozenset([EOS]))
+    manager = GrammarManager(config, XgrammarBackend, VOCAB, frozenset([EOS]))
     yield manager
     manager.shutdown()
 
@@ -221,8 +221,7 @@ def guided_request(manager, req_id: str, **constraint) -> Request:
     request = Request(req_id, [5], params, eos_token_ids=frozenset([EOS]))
     manager.submit(request)
     while manager.has_pending:
-        manager.wait(1.0)
-        manager.poll()
+        manager.poll(1.0)
     assert request.grammar is not None
     return request
 

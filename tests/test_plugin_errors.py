@@ -185,3 +185,38 @@ def test_llm_runs_with_a_builtin_policy_disabled(llama_dir):
     llm = LLM(str(llama_dir), dtype="float32", device="cpu")
     want = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert got["tokens"] == list(want[0].outputs[0].token_ids)
+
+
+NO_STRUCTURED_OUTPUT = """
+    import json, sys
+    from pagelm import LLM, GuidedDecodingParams, SamplingParams
+
+    llm = LLM(sys.argv[1], dtype="float32", device="cpu")
+    plain = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], plain, use_tqdm=False)
+    try:
+        guided = SamplingParams(max_tokens=3, guided_decoding=GuidedDecodingParams(regex="[0-9]+"))
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], guided, use_tqdm=False)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    print(json.dumps({"error": error, "tokens": list(out[0].outputs[0].token_ids), "manager": llm.engine.core.structured_output}))
+"""
+
+
+def test_without_a_structured_output_plugin_the_engine_runs_and_refuses_guided_requests(llama_dir):
+    env = {**os.environ, "PAGELM_DISABLE_PLUGINS": "xgrammar"}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(NO_STRUCTURED_OUTPUT), str(llama_dir)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    assert got["manager"] is None
+    assert got["error"] == (
+        "guided_decoding needs a structured-output backend plugin, and none is registered "
+        "(structured_output_backend='xgrammar'; is it in PAGELM_DISABLE_PLUGINS?)"
+    )
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu")
+    want = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert got["tokens"] == list(want[0].outputs[0].token_ids)

@@ -3,7 +3,7 @@ runner; it knows nothing about text (token ids in, token ids out)::
 
     step():  scheduler.schedule() -> runner.launch() -> runner.finish() -> scheduler.update_from_output()
                                       (first: structured_output.prepare_bitmask(), the grammar
-                                       work for the next step, on a worker thread)
+                                       work for the next step, beside the step loop)
 
 With async scheduling one step stays in flight: ``step()`` schedules and launches step N,
 then finishes step N-1 (waits for its sampled ids, updates the scheduler) while the device
@@ -33,7 +33,6 @@ from pagelm.kv_cache import KVCacheManager, cdiv, make_block_hasher
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.request import Request, RequestStatus
 from pagelm.sched.scheduler import Scheduler
-from pagelm.structured_output import StructuredOutputManager
 from pagelm.executor import Executor
 from pagelm.worker.pending_step import PendingStep
 from pagelm.worker.worker import encode_scheduler_output, init_message, load_runner, pack
@@ -55,7 +54,9 @@ class EngineCore:
         if config.attention_backend != "auto":
             plugins.attention_backends().get(config.attention_backend)
         policy_cls = plugins.scheduling_policies().get(config.scheduling_policy)
-        structured_output_cls = plugins.structured_output_backends().get(config.structured_output_backend)
+        # No guided-decoding plugin at all: the engine runs, guided requests are refused.
+        backends = plugins.structured_output_backends()
+        structured_output_cls = backends.get(config.structured_output_backend) if len(backends) else None
         problems = policy_cls.validate(config)
         if problems:
             raise ValueError(f"scheduling_policy={config.scheduling_policy!r}: " + "; ".join(problems))
@@ -79,13 +80,9 @@ class EngineCore:
         self.block_hasher = make_block_hasher(config.block_size)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.async_scheduling = self._use_async_scheduling(use_cuda_graphs, proposer_cls)
-        # Guided decoding: grammars compile off the step loop; the runner asks it for bitmasks.
-        grammar_process = config.structured_output_process
-        if grammar_process is None:
-            grammar_process = self.device.type == "cuda" and self.async_scheduling
-        self.structured_output = StructuredOutputManager(
-            config, structured_output_cls, self.vocab_size, eos_token_ids,
-            pin_memory=self.device.type == "cuda", grammar_process=grammar_process,
+        # Guided decoding: the plugin's manager; the runner gets bitmasks through the scheduler.
+        self.structured_output = None if structured_output_cls is None else structured_output_cls.make_manager(
+            config, self.vocab_size, eos_token_ids, device=self.device, async_scheduling=self.async_scheduling
         )
         self.scheduler = Scheduler(
             config, self.kv_cache_manager, policy_cls(config), self.max_model_len, self.structured_output,
@@ -349,7 +346,7 @@ class EngineCore:
             self.runner.sample(pending)
         runner_out = self.runner.finish(pending)
         # Guided decoding: first thing, the scheduler hands this step's tokens to the grammars
-        # and a worker thread fills the next step's bitmask while the outputs go out and the
+        # and the manager fills the next step's bitmask while the outputs go out and the
         # next step is built (``StructuredOutputManager.prepare_bitmask``).
         outputs, finished = self.scheduler.update_from_output(pending.sched, runner_out)
         if self._first_scheduled:
@@ -360,7 +357,8 @@ class EngineCore:
         return outputs
 
     def shutdown(self) -> None:
-        self.structured_output.shutdown()
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
         self._stop_ranks()
         self.plugins.notify("pagelm_engine_shutdown", engine=self)
 

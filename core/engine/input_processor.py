@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from pagelm.config import EngineConfig
-from pagelm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, check_bad_words_token_ids
-from pagelm.structured_output import validate_guided_decoding
+from pagelm.plugin_manager import get_plugin_manager
+from pagelm.sampling_params import INT64_MAX, INT64_MIN, GuidedDecodingParams, SamplingParams, check_bad_words_token_ids
 
 # vLLM's prompt shapes: a string, or {"prompt_token_ids": [...]} (TokensPrompt), or
 # {"prompt": "..."} (TextPrompt).
@@ -119,8 +119,26 @@ class InputProcessor:
                     f"{name} must be at most {self.max_logprobs} (the engine's max_logprobs), got {wanted}"
                 )
         if params.guided_decoding is not None:
-            validate_guided_decoding(self.config, params.guided_decoding)
+            self.check_guided_decoding(params.guided_decoding)
         self.check_token_lists(params)
+
+    def check_guided_decoding(self, params: GuidedDecodingParams) -> None:
+        """Whether this engine can serve the constraint: a tokenizer, a backend plugin that
+        can run here (e.g. its library installed) and accepts the constraint's syntax."""
+        if self.config.skip_tokenizer_init:
+            raise ValueError("guided_decoding needs the tokenizer; the engine has skip_tokenizer_init=True")
+        backends = get_plugin_manager().structured_output_backends()
+        name = self.config.structured_output_backend
+        if not len(backends):
+            raise ValueError(
+                f"guided_decoding needs a structured-output backend plugin, and none is registered "
+                f"(structured_output_backend={name!r}; is it in PAGELM_DISABLE_PLUGINS?)"
+            )
+        backend_cls = backends.get(name)
+        problems = backend_cls.validate(self.config)
+        if problems:
+            raise ValueError(f"guided_decoding: structured_output_backend={name!r}: " + "; ".join(problems))
+        backend_cls.validate_request(params)
 
     def check_token_lists(self, params: SamplingParams) -> None:
         """logit_bias and allowed_token_ids within the vocabulary (they index the logits);

@@ -77,7 +77,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         if request.use_structured_output:
-            assert self.structured_output is not None, "guided decoding needs a StructuredOutputManager"
+            if self.structured_output is None:
+                raise ValueError(f"request {request.request_id}: guided decoding needs a structured-output backend plugin")
             if not self.structured_output.submit(request):  # not cached: compiling
                 request.status = RequestStatus.WAITING_FOR_GRAMMAR
                 self.requests[request.request_id] = request
@@ -152,9 +153,8 @@ class Scheduler:
 
     def _take_compiled_grammars(self) -> None:
         """Queue the requests whose grammar has compiled; fail those whose compile failed."""
-        if not self.running and not len(self.waiting):  # nothing else to do: wait, don't spin
-            self.structured_output.wait(_IDLE_GRAMMAR_WAIT_S)
-        ready, failed = self.structured_output.poll()
+        idle = not self.running and not len(self.waiting)  # nothing else to do: wait, don't spin
+        ready, failed = self.structured_output.poll(_IDLE_GRAMMAR_WAIT_S if idle else 0.0)
         for req in ready:
             req.status = RequestStatus.WAITING
             self.waiting.add(req)

@@ -111,11 +111,12 @@ def run(args: argparse.Namespace) -> int:
 
     bench = _Bench(llm, args.input_len, args.output_len)
     bench.generate(2, schema)  # warm up: kernels, CUDA graphs, the backend, this schema's compile
-    structured_output = llm.engine.core.structured_output
-    if structured_output.wait_for_grammar_process(120):  # started by the first guided request
+    structured_output = llm.engine.core.structured_output  # the built-in GrammarManager's knobs, if it is one
+    wait_for_process = getattr(structured_output, "wait_for_grammar_process", None)
+    if wait_for_process is not None and wait_for_process(120):  # started by the first guided request
         bench.generate(2, schema)  # and this schema's compile there
     bench.generate(2, None)
-    grammar_process = structured_output.use_grammar_process
+    grammar_process = getattr(structured_output, "use_grammar_process", False)
     print(f"guided rows filled by {'a grammar process' if grammar_process else 'a worker thread'}")
 
     tpot = []

@@ -8,7 +8,7 @@ needs it around them. On the H100 host at batch 64 its accept + fill took 0.5 ms
 step that is GPU-bound unconstrained (1.70 ms, llama-3.2-1b) became host-bound (1.9-2.0 ms).
 Across a process boundary the step loop pays a pipe message each way::
 
-    engine core (StructuredOutputManager)          grammar process (serve)
+    engine core (GrammarManager)                   grammar process (serve)
       submit:          add(slot, params) ───────►  compile (its own cache), new matcher
       prepare_bitmask: step(slots, tokens) ─────►  accept the tokens, fill rows 0..n-1
                                                    of the shared bitmask
@@ -51,10 +51,10 @@ import torch
 
 from pagelm.config import EngineConfig
 from pagelm.sampling_params import GuidedDecodingParams
-from pagelm.structured_output.backend import GrammarOffload, build_backend
+from pagelm.plugins.structured_output.grammar import GrammarOffload
 
 if TYPE_CHECKING:
-    from pagelm.structured_output.backend import StructuredOutputBackend
+    from pagelm.plugins.structured_output.backend import GrammarBackend
 
 logger = logging.getLogger("pagelm")
 
@@ -114,7 +114,7 @@ class GrammarProcess(GrammarOffload):
 
     def __init__(
         self,
-        backend_cls: type["StructuredOutputBackend"],
+        backend_cls: type["GrammarBackend"],
         config: "EngineConfig",
         vocab_size: int,
         eos_token_ids: frozenset[int],
@@ -237,7 +237,7 @@ class _Mirror:
     """The process's side: matchers by slot, compiles, and the step."""
 
     def __init__(self, backend, cache_bytes: int, bitmask: torch.Tensor) -> None:
-        from pagelm.structured_output.cache import GrammarCache
+        from pagelm.plugins.structured_output.cache import GrammarCache
 
         self.backend = backend
         self.bitmask = bitmask
@@ -310,7 +310,7 @@ def serve(recv: _Wire, send: _Wire) -> None:
         for name in qualname.split("."):
             backend_cls = getattr(backend_cls, name)
         config = EngineConfig(**config_data)
-        backend = build_backend(backend_cls, config, vocab_size, frozenset(eos_token_ids))
+        backend = backend_cls.build(config, vocab_size, frozenset(eos_token_ids))
     except Exception as exc:
         send.send(["failed", f"{type(exc).__name__}: {exc}"])
         return

@@ -29,7 +29,8 @@ import torch
 
 from pagelm import hookimpl
 from pagelm.sampling_params import GuidedDecodingParams
-from pagelm.structured_output import CompiledGrammar, StructuredOutputBackend, StructuredOutputGrammar
+from pagelm.plugins.structured_output.backend import GrammarBackend
+from pagelm.plugins.structured_output.grammar import CompiledGrammar, StructuredOutputGrammar
 
 PAGELM_PLUGIN_API = "2.4"
 
@@ -78,7 +79,7 @@ class XgrammarCompiledGrammar(CompiledGrammar):
         return XgrammarGrammar(xgr.GrammarMatcher(self.compiled))
 
 
-class XgrammarBackend(StructuredOutputBackend):
+class XgrammarBackend(GrammarBackend):
     name = "xgrammar"
 
     def __init__(self, config, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
@@ -89,7 +90,7 @@ class XgrammarBackend(StructuredOutputBackend):
         self.any_whitespace = settings.get("any_whitespace", True)
         self.max_whitespace_cnt = settings.get("max_whitespace_cnt")
         info = _tokenizer_info(xgr, tokenizer, vocab_size, sorted(eos_token_ids))
-        # The core caches compiled grammars (bounded by memory); xgrammar's own cache is off.
+        # The manager caches compiled grammars (bounded by memory); xgrammar's own cache is off.
         self.compiler = xgr.GrammarCompiler(
             info, max_threads=settings.get("compile_threads", 8), cache_enabled=False
         )

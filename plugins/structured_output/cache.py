@@ -1,12 +1,12 @@
 """The compiled-grammar cache: bounded by memory, least recently used evicted first. The
-engine core keeps one (``StructuredOutputManager``), and so does the grammar process
+manager keeps one (``GrammarManager``), and so does the grammar process
 (``grammar_process``), which compiles its own copies."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from pagelm.structured_output.backend import CompiledGrammar
+from pagelm.plugins.structured_output.grammar import CompiledGrammar
 
 GrammarKey = tuple[str, str]  # (kind, canonical spec)
 

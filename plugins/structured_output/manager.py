@@ -1,10 +1,11 @@
-"""The engine core's side of guided decoding: compiles grammars off the step loop, caches
-them, and fills the batch's allowed-token bitmask for the runner.
+"""The built-in structured-output manager (the core's ``StructuredOutputManager``) for any
+``GrammarBackend``: compiles grammars off the step loop, caches them, and fills the batch's
+allowed-token bitmask for the runner.
 
     Scheduler.add_request ── submit(request) ──► cache hit: request.grammar set, admitted now
                                                  miss: compile queued on a worker thread,
                                                        request is WAITING_FOR_GRAMMAR
-    Scheduler.schedule    ── poll() ──────────► (compiled: admit, failed or timed out: finish)
+    Scheduler.schedule    ── poll(timeout) ───► (compiled: admit, failed or timed out: finish)
     ModelRunner           ── grammar_bitmask(req_ids) ──► int32 CPU [n, ceil(vocab / 32)]
     Scheduler.update_from_output ── accept_tokens(request, sampled), then prepare_bitmask()
                                  ── validate_drafts(request, drafts) ──► the prefix it may verify
@@ -66,15 +67,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagelm.kv_cache import cdiv
-from pagelm.structured_output.backend import (
-    CompiledGrammar,
-    GrammarOffload,
-    StructuredOutputBackend,
-    StructuredOutputGrammar,
-    build_backend,
-)
-from pagelm.structured_output.cache import GrammarCache, GrammarKey
+from pagelm.plugins.structured_output.cache import GrammarCache, GrammarKey
+from pagelm.plugins.structured_output.grammar import CompiledGrammar, GrammarOffload, StructuredOutputGrammar
+from pagelm.structured_output import StructuredOutputManager
 
 if TYPE_CHECKING:
     from pagelm.config import EngineConfig
@@ -102,11 +97,14 @@ class _Compile:
     waiting: list[tuple["Request", float]] = field(default_factory=list)
 
 
-class StructuredOutputManager:
+class GrammarManager(StructuredOutputManager):
+    """Runs a ``GrammarBackend`` for the engine core (built by ``GrammarBackend.make_manager``;
+    ``backend_cls`` is that class: not imported here, as its module imports this one)."""
+
     def __init__(
         self,
         config: "EngineConfig",
-        backend_cls: type[StructuredOutputBackend],
+        backend_cls: type,
         vocab_size: int,
         eos_token_ids: frozenset[int],
         *,
@@ -126,7 +124,7 @@ class StructuredOutputManager:
         # Sampled tokens not yet applied to their request's grammar (see accept_tokens).
         self._unapplied: dict[str, list[int]] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._backend: StructuredOutputBackend | None = None
+        self._backend = None  # the GrammarBackend instance, built on first use
         self._backend_error: Exception | None = None
         self._backend_lock = threading.Lock()
         # The step-ahead work (prepare_bitmask): one thread, the job in flight, and the
@@ -169,10 +167,13 @@ class StructuredOutputManager:
         job.waiting.append((request, time.monotonic() + self.timeout))
         return False
 
-    def poll(self) -> tuple[list["Request"], list["Request"]]:
+    def poll(self, timeout: float = 0.0) -> tuple[list["Request"], list["Request"]]:
         """Requests whose grammar is ready (``request.grammar`` set) and requests that failed
-        (``request.error`` set) since the last call. A compile counts as timed out for a
+        (``request.error`` set) since the last call, after waiting up to ``timeout`` seconds
+        for a compile to finish or a deadline to pass. A compile counts as timed out for a
         request if it finished after that request's deadline, however late this is called."""
+        if timeout > 0:
+            self._wait(timeout)
         ready: list[Request] = []
         failed: list[Request] = []
         now = time.monotonic()
@@ -208,9 +209,9 @@ class StructuredOutputManager:
             self.requests.pop(request.request_id, None)
         return ready, failed
 
-    def wait(self, timeout: float) -> None:
+    def _wait(self, timeout: float) -> None:
         """Block until a compile finishes or a deadline passes, for at most ``timeout``
-        seconds. Only called when nothing else can run, instead of spinning."""
+        seconds (the engine has nothing else to do)."""
         if not self._compiling:
             return
         now = time.monotonic()
@@ -486,7 +487,7 @@ class StructuredOutputManager:
         """Why ``request``'s grammar rejected its sampled tokens. A grammar that allows no
         token at all (a JSON schema whose ``$ref`` loops on itself matches no text) leaves
         every logit masked, so whatever was sampled is rejected: say that, not "token 0"."""
-        row = torch.zeros((1, cdiv(self.vocab_size, 32)), dtype=torch.int32)
+        row = torch.zeros((1, _words(self.vocab_size)), dtype=torch.int32)
         request.grammar.fill_bitmask(row, 0)
         if not bool(row.any()):
             return "guided_decoding: the output constraint allows no token here (it matches no text)"
@@ -497,7 +498,7 @@ class StructuredOutputManager:
         if buffer is None or buffer.shape[0] < n:
             rows = max(n, self.config.max_num_seqs)
             with torch.inference_mode(False):  # a plain tensor: the worker thread writes it too
-                buffer = torch.empty((rows, cdiv(self.vocab_size, 32)), dtype=torch.int32, pin_memory=self.pin_memory)
+                buffer = torch.empty((rows, _words(self.vocab_size)), dtype=torch.int32, pin_memory=self.pin_memory)
         return buffer
 
     # ---- compiling -----------------------------------------------------------------------
@@ -514,7 +515,7 @@ class StructuredOutputManager:
         logger.debug("compiled a %s grammar in %.1f ms", params.kind, (done - start) * 1e3)
         return compiled, done
 
-    def _get_backend(self) -> StructuredOutputBackend:
+    def _get_backend(self):
         """The backend instance, built on first use (loads the tokenizer: worker thread)."""
         if self._backend is not None:
             return self._backend
@@ -528,8 +529,8 @@ class StructuredOutputManager:
                 raise self._backend_error
             return self._backend
 
-    def _make_backend(self) -> StructuredOutputBackend:
-        return build_backend(self.backend_cls, self.config, self.vocab_size, self.eos_token_ids)
+    def _make_backend(self):
+        return self.backend_cls.build(self.config, self.vocab_size, self.eos_token_ids)
 
     def shutdown(self) -> None:
         if self._process is not None:
@@ -550,6 +551,11 @@ class _PendingStep:
 
     def __init__(self, result) -> None:
         self.result = result
+
+
+def _words(vocab_size: int) -> int:
+    """Bitmask words per row: 32 tokens each."""
+    return -(-vocab_size // 32)
 
 
 def _error_message(error: BaseException) -> str:

@@ -1,7 +1,8 @@
-"""The structured-output plugin contract: a backend compiles a request's constraint
-(``GuidedDecodingParams``) into a ``CompiledGrammar`` (expensive, shared, cached by the core),
-and each request walks its own ``StructuredOutputGrammar`` (a matcher) over the tokens it
-samples::
+"""The grammar-level contract of the built-in structured-output manager: a grammar library
+plugs in by subclassing ``GrammarBackend`` (``backend.py``), which compiles a request's constraint
+(``GuidedDecodingParams``) into a ``CompiledGrammar`` (expensive, shared, cached by the
+manager), and each request walks its own ``StructuredOutputGrammar`` (a matcher) over the
+tokens it samples::
 
     backend.compile(params) -> CompiledGrammar --new_grammar()--> StructuredOutputGrammar
        (worker thread, cached)                                     (one per request)
@@ -12,6 +13,8 @@ samples::
                 backend.fill_bitmasks(grammars, bitmask)               the tokens allowed next
 
 The batch calls should release the GIL while they work, so the step loop runs meanwhile.
+``GrammarBackend.make_manager`` (the core's ``StructuredOutputBackend`` contract) builds the
+``GrammarManager`` around the backend, so a library needs nothing else.
 
 A backend gets the engine's EOS ids as its stop tokens and must allow them exactly where the
 grammar is complete: the scheduler ends a guided request when it samples one (reason "stop").
@@ -29,12 +32,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
-    from pagelm.config import EngineConfig
     from pagelm.sampling_params import GuidedDecodingParams
 
 
@@ -74,7 +76,7 @@ class StructuredOutputGrammar(ABC):
 
 class CompiledGrammar(ABC):
     """A constraint compiled against the model's vocabulary; shared by every request that
-    asks for the same constraint, and kept in the core's cache."""
+    asks for the same constraint, and kept in the manager's cache."""
 
     @property
     @abstractmethod
@@ -89,8 +91,8 @@ class CompiledGrammar(ABC):
 class GrammarOffload(ABC):
     """Somewhere other than the engine core's threads to advance the guided requests' grammars
     and fill their bitmask rows: a mirror of each request's grammar, addressed by slot (the
-    built-in one is xgrammar's grammar process, ``pagelm.plugins.structured_output``). It is an
-    accelerator, not the owner: the engine core still compiles every grammar and keeps its own
+    built-in one is xgrammar's grammar process, ``grammar_process``). It is an
+    accelerator, not the owner: the manager still compiles every grammar and keeps its own
     matchers, fills the rows the offload leaves, and does all the work itself once the offload
     stops (``result`` returning ``None``). Used by the step loop's thread only; every method
     but ``wait_ready`` and ``result`` returns without waiting."""
@@ -123,82 +125,3 @@ class GrammarOffload(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop; the engine core is shutting down."""
-
-
-class StructuredOutputBackend(ABC):
-    """A guided-decoding library. Registered with ``pagelm_register_structured_output_backends``
-    and chosen with ``structured_output_backend=<name>``.
-
-    The class side runs wherever requests arrive (the API process): ``validate`` and
-    ``validate_request`` must be cheap and need no tokenizer. An instance is built once per
-    engine, in a compile worker thread, when the first guided request arrives.
-    """
-
-    name: ClassVar[str]
-
-    def __init__(self, config: "EngineConfig", tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        """``tokenizer``: the model's Hugging Face tokenizer; ``vocab_size``: the model's
-        (logits width, possibly larger than the tokenizer's); ``eos_token_ids``: the tokens
-        that end a sequence, allowed only where the grammar is complete."""
-        self.config = config
-        self.vocab_size = vocab_size
-
-    @classmethod
-    def validate(cls, config: "EngineConfig") -> list[str]:
-        """Problems with using this backend under ``config`` (e.g. its library is missing).
-        Checked when the first guided request arrives, so an engine that never sees one does
-        not need the library."""
-        return []
-
-    @classmethod
-    def validate_request(cls, params: "GuidedDecodingParams") -> None:
-        """Raise ``ValueError`` naming the field (``guided_decoding.regex: ...``) when the
-        constraint is malformed or unsupported. A quick syntax check, before the request is
-        queued; anything it misses fails the request when it compiles."""
-
-    @abstractmethod
-    def compile(self, params: "GuidedDecodingParams") -> CompiledGrammar:
-        """Compile a constraint (runs in a worker thread). Raise ``ValueError`` with a clear
-        message when it cannot be compiled."""
-
-    def batch_accept_tokens(
-        self, grammars: Sequence[StructuredOutputGrammar], token_ids: Sequence[Sequence[int]]
-    ) -> list[bool]:
-        """``grammars[i].accept_tokens(token_ids[i])`` for each ``i``; override with one call
-        that releases the GIL."""
-        return [grammar.accept_tokens(tokens) for grammar, tokens in zip(grammars, token_ids)]
-
-    def fill_bitmasks(
-        self, grammars: Sequence[StructuredOutputGrammar], bitmask: torch.Tensor, rows: Sequence[int] | None = None
-    ) -> None:
-        """Fill row ``rows[i]`` (default ``i``) of ``bitmask`` from ``grammars[i]``; override
-        to batch (threads, the GIL released)."""
-        for grammar, row in zip(grammars, range(len(grammars)) if rows is None else rows):
-            grammar.fill_bitmask(bitmask, row)
-
-    def shutdown(self) -> None:
-        """Release threads or other resources."""
-
-    @classmethod
-    def offload(
-        cls, config: "EngineConfig", vocab_size: int, eos_token_ids: frozenset[int], rows: int, *, pin_memory: bool
-    ) -> GrammarOffload | None:
-        """A ``GrammarOffload`` for ``structured_output_process``, with a ``rows``-row bitmask
-        (pinned for CUDA uploads with ``pin_memory``); None (the default): this backend has
-        none, the engine core's worker thread does the work. Called by the engine core when
-        its first guided request arrives."""
-        return None
-
-
-def build_backend(
-    backend_cls: type[StructuredOutputBackend], config: "EngineConfig", vocab_size: int, eos_token_ids: frozenset[int]
-) -> StructuredOutputBackend:
-    """A backend instance with the model's tokenizer (the engine core and the grammar process
-    each build one)."""
-    problems = backend_cls.validate(config)
-    if problems:
-        raise ValueError(f"structured_output_backend={backend_cls.name!r}: " + "; ".join(problems))
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model, trust_remote_code=config.trust_remote_code)
-    return backend_cls(config, tokenizer, vocab_size, eos_token_ids)
