@@ -38,7 +38,8 @@ def pagelm_register_scheduling_policies(registry: "Registry") -> None:
 
 @hookspec
 def pagelm_register_structured_output_backends(registry: "Registry") -> None:
-    """Add ``StructuredOutputBackend`` subclasses (guided decoding libraries):
+    """Add ``StructuredOutputBackend`` subclasses (guided decoding libraries; a grammar
+    library subclasses ``pagelm.plugins.structured_output.GrammarBackend``):
     ``registry.add(name, backend_cls)``. The name is what ``structured_output_backend=``
     selects."""
 

@@ -57,6 +57,27 @@ def process_llm(model_dir, **kw) -> LLM:
     return llm
 
 
+@pytest.mark.parametrize(
+    "device, async_scheduling, setting, want",
+    [("cuda", True, None, True), ("cuda", False, None, False), ("cpu", True, None, False),
+     ("cuda", True, False, False), ("cpu", False, True, True)],
+)
+def test_the_grammar_process_is_the_default_on_cuda_with_async_scheduling(llama_dir, device, async_scheduling, setting, want):
+    from pagelm import EngineConfig
+    from pagelm.plugins.structured_output import GrammarManager
+    from pagelm.plugins.structured_output.xgrammar_backend import XgrammarBackend
+
+    config = EngineConfig(model=str(llama_dir), structured_output_process=setting)
+    manager = XgrammarBackend.make_manager(
+        config, 520, frozenset([EOS]), device=torch.device(device), async_scheduling=async_scheduling
+    )
+    try:  # nothing starts before the first guided request: no CUDA needed to build it
+        assert type(manager) is GrammarManager and manager.backend_cls is XgrammarBackend
+        assert (manager.use_grammar_process, manager.pin_memory) == (want, device == "cuda")
+    finally:
+        manager.shutdown()
+
+
 @pytest.fixture(scope="module")
 def thread(llama_dir):
     llm = LLM(str(llama_dir), structured_output_process=False, **ENGINE_ARGS)
