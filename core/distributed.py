@@ -37,8 +37,8 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: torch
     global _state
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        if device.type == "cuda":  # a bare "cuda" (rank 0's default) is the current device
+            torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )

@@ -81,6 +81,23 @@ def test_chunked_prefill_prefix_caching_and_preemption_equal_the_plain_run(llama
     assert preemptions > 0 and hits > 0
 
 
+def test_async_scheduling_under_tp2_equals_the_plain_run(llama_dir):
+    # CUDA turns async scheduling on by default; a step launched ahead must reach the other
+    # ranks too (it did not: on two H100s rank 0 waited in its first all-reduce forever).
+    shared = list(range(40, 72))
+    prompts = [{"prompt_token_ids": shared + [100 + i, 101, 102 + i]} for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = _ids(_run(llama_dir, prompts, params))
+    llm = LLM(str(llama_dir), dtype="float32", tensor_parallel_size=2, async_scheduling=True, num_kv_blocks=12,
+              block_size=8, max_num_batched_tokens=16, max_model_len=64)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.core.async_scheduling and llm.engine.core.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()
+    assert _ids(outs) == plain
+
+
 def test_each_rank_holds_its_slice(llama_dir):
     llm = LLM(str(llama_dir), dtype="float32", tensor_parallel_size=2)
     try:

@@ -145,8 +145,6 @@ class EngineCore:
         problems = executor_cls.validate(config)
         if config.world_size > 1 and proposer_cls is not None:
             problems.append("speculative decoding does not run under tensor parallelism yet")
-        if config.world_size > 1 and config.async_scheduling:
-            problems.append("async_scheduling does not run under tensor parallelism yet")
         if problems:
             raise ValueError(f"distributed_executor_backend={config.executor_backend!r}: " + "; ".join(problems))
         if config.world_size == 1:
@@ -319,6 +317,9 @@ class EngineCore:
             for new in sched_out.scheduled_new_reqs:  # resumed after preemption: keep the first time
                 self._first_scheduled.setdefault(new.req_id, now)
         # Launched also when nothing is scheduled: the runner drops finished requests' state.
+        # The other ranks get every step, run ahead or not, in the order rank 0 launches them.
+        if self.executor is not None:
+            self._on_other_ranks("step", encode_scheduler_output(sched_out))
         run_ahead = (
             self.async_scheduling and not sched_out.is_empty and not sched_out.needs_previous_tokens
             and not sched_out.scheduled_spec_decode_tokens  # verification runs synchronously
@@ -334,8 +335,6 @@ class EngineCore:
         if self._in_flight is not None:  # its tokens are this step's inputs on the host
             outputs += self._finish(self._in_flight)
             self._in_flight = None
-        if self.executor is not None:
-            self._on_other_ranks("step", encode_scheduler_output(sched_out))
         return outputs + self._finish(self.runner.launch(sched_out))
 
     def _finish(self, pending: PendingStep) -> list[EngineCoreOutput]:
