@@ -112,6 +112,8 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
+    # The top-k logprobs of each sampled / prompt token (with the token's own); -1: the whole
+    # vocabulary, as in vLLM (resolved by ``num_logprobs`` where the vocabulary is known).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
@@ -199,12 +201,10 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", "an integer >= 0 or None")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
-        ):
-            raise bad("prompt_logprobs", "an integer >= 0 or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < -1):
+                raise bad(name, "an integer >= 0, -1 for the whole vocabulary, or None")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -270,6 +270,12 @@ class SamplingParams:
         if self.guided_decoding is not None and isinstance(self.guided_decoding.json, dict):
             data["guided_decoding"]["json"] = self.guided_decoding.spec
         return data
+
+
+def num_logprobs(k: int | None, vocab_size: int) -> int | None:
+    """How many top logprobs ``logprobs`` / ``prompt_logprobs`` = ``k`` asks for: -1 is vLLM's
+    "the whole vocabulary", which only the engine (knowing the model) can turn into a number."""
+    return vocab_size if k == -1 else k
 
 
 def _is_token_id(t: Any) -> bool:

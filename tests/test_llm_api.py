@@ -160,7 +160,7 @@ def test_penalties_change_greedy_output(llm):
         (dict(max_tokens=0), "max_tokens"),
         (dict(presence_penalty=3), "presence_penalty"),
         (dict(repetition_penalty=0), "repetition_penalty"),
-        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs=-2), "logprobs"),  # -1 is the whole vocabulary
         (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     ],
 )

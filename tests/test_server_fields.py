@@ -296,6 +296,8 @@ def test_structured_outputs_choice_regex_and_json(client):
         ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
         ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs", "not available when stream is true"),
         ({"prompt_logprobs": 50}, "prompt_logprobs", "at most 20"),
+        # -1, the whole vocabulary, counts as its size against --max-logprobs (vLLM's rule)
+        ({"prompt_logprobs": -1}, "prompt_logprobs", "at most 20 (the engine's max_logprobs), got -1 (the whole vocabulary, 512)"),
         ({"stream": True, "stream_options": {"continuous_usage": True}}, "stream_options", "stream_options.continuous_usage: Extra inputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
         ({"structured_outputs": {"regex": "[unclosed"}}, "structured_outputs", "structured_outputs.regex"),
@@ -317,6 +319,7 @@ def test_bad_fields_are_400s_naming_them(server, body, param, message):
         ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message", "cannot both be true"),
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "may not set tokenize"),
         ({"chat_template_kwargs": "greeting"}, "chat_template_kwargs", "valid dictionary"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "at most 20 (the engine's max_logprobs), got -1"),
     ],
 )
 def test_bad_chat_fields_are_400s_naming_them(server, body, param, message):

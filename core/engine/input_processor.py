@@ -18,7 +18,7 @@ from typing import Any, Union
 
 from pagelm.config import EngineConfig
 from pagelm.plugin_manager import get_plugin_manager
-from pagelm.sampling_params import INT64_MAX, INT64_MIN, GuidedDecodingParams, SamplingParams, check_bad_words_token_ids
+from pagelm.sampling_params import INT64_MAX, INT64_MIN, GuidedDecodingParams, SamplingParams, check_bad_words_token_ids, num_logprobs
 
 # vLLM's prompt shapes: a string, or {"prompt_token_ids": [...]} (TokensPrompt), or
 # {"prompt": "..."} (TextPrompt).
@@ -113,10 +113,12 @@ class InputProcessor:
         if vocab_bad:
             raise ValueError(f"stop_token_ids {vocab_bad} are outside the vocabulary [0, {self.vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
-            wanted = getattr(params, name)
+            asked = getattr(params, name)
+            wanted = num_logprobs(asked, self.vocab_size)
             if wanted is not None and wanted > self.max_logprobs:
+                whole = f" (the whole vocabulary, {wanted})" if asked == -1 else ""
                 raise ValueError(
-                    f"{name} must be at most {self.max_logprobs} (the engine's max_logprobs), got {wanted}"
+                    f"{name} must be at most {self.max_logprobs} (the engine's max_logprobs), got {asked}{whole}"
                 )
         if params.guided_decoding is not None:
             self.check_guided_decoding(params.guided_decoding)

@@ -39,7 +39,7 @@ from pagelm.sample import Sampler, SamplerOutput, SamplingMetadata
 from pagelm.sample.bitmask import apply_token_bitmask, upload_bitmask
 from pagelm.sample.request_logits import build_logits_row
 from pagelm.sample.sampler import LogprobsTensors
-from pagelm.sampling_params import SamplingParams
+from pagelm.sampling_params import SamplingParams, num_logprobs
 from pagelm.sched.output import SchedulerOutput
 from pagelm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagelm.worker.input_buffers import InputBuffers
@@ -299,7 +299,7 @@ class ModelRunner:
         with host_sync_point():
             pending.wait()
         sampled_ids = pending.sampled_host.tolist()
-        logprobs = _split_logprobs(pending.logprobs_host, pending.states)
+        logprobs = _split_logprobs(pending.logprobs_host, pending.states, self.vocab_size)
         prompt_logprobs = {r: logprobs_lists(t) for r, t in pending.prompt_logprobs_host.items()}
 
         out_ids: list[list[int]] = []
@@ -513,7 +513,7 @@ class ModelRunner:
             num = min(start + count, state.num_prompt_tokens - 1) - start
             if num <= 0:
                 continue
-            k = state.sampling_params.prompt_logprobs
+            k = num_logprobs(state.sampling_params.prompt_logprobs, self.vocab_size)
             logits = self.model.compute_logits(hidden[qsl[i] : qsl[i] + num])
             targets = to_device(state.token_ids[start + 1 : start + 1 + num], torch.long, logits.device)
             out[state.req_id] = chosen_and_top_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, k)
@@ -530,12 +530,12 @@ def chosen_and_top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int
     return LogprobsTensors(ids, lps, ranks)
 
 
-def _split_logprobs(tensors, states) -> list[LogprobsLists | None]:
+def _split_logprobs(tensors, states, vocab_size: int) -> list[LogprobsLists | None]:
     if tensors is None:
         return [None] * len(states)
     ids, lps, ranks = tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
     out = []
     for i, s in enumerate(states):
-        k = s.sampling_params.logprobs
+        k = num_logprobs(s.sampling_params.logprobs, vocab_size)
         out.append(None if k is None else LogprobsLists([ids[i][: k + 1]], [lps[i][: k + 1]], [ranks[i]]))
     return out

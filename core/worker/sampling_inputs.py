@@ -8,7 +8,7 @@ import torch
 
 from pagelm.sample import SamplingMetadata
 from pagelm.sample.request_logits import bad_word_bans
-from pagelm.sampling_params import SAMPLING_EPS
+from pagelm.sampling_params import SAMPLING_EPS, num_logprobs
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -65,7 +65,7 @@ def build_sampling_metadata(states, eos_token_ids: frozenset[int], vocab_size: i
             banned_token_ids[i] = banned
     rows = [(i, s.logits_row) for i, s in enumerate(states) if s.logits_row is not None]
 
-    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    wanted = [num_logprobs(p.logprobs, vocab_size) for p in params if p.logprobs is not None]
     return SamplingMetadata(
         temperature=temperature,
         all_greedy=all(greedy),

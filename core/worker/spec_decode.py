@@ -41,6 +41,7 @@ from pagelm.kv_cache import cdiv
 from pagelm.sample import RejectionSampler
 from pagelm.registry import PluginError
 from pagelm.sample.sampler import LogprobsTensors
+from pagelm.sampling_params import num_logprobs
 from pagelm.spec_decode.backoff import DraftBackoff
 from pagelm.spec_decode.proposer import ProposalBatch, Proposer, decode_attention_metadata
 from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner, capture_sizes
@@ -195,7 +196,7 @@ class SpecDecodeRunner:
         with host_sync_point():  # the verified tokens (and logprobs) come to the host
             verified = self.rejection_sampler(logits, md, [list(d) for d in drafts], runner.generator)
             prompt_logprobs = runner.prompt_logprobs(states, starts, counts, hidden, step.common)
-            logprobs = _split_logprobs(verified.logprobs, states, row_start, verified.token_ids)
+            logprobs = _split_logprobs(verified.logprobs, states, row_start, verified.token_ids, runner.vocab_size)
 
         if self.backoff is not None:
             num_verified = np.fromiter((len(t) for t in verified.token_ids), dtype=np.int64, count=len(states))
@@ -408,7 +409,7 @@ def _reads_history(p) -> bool:
 
 
 def _split_logprobs(
-    tensors: LogprobsTensors | None, states, row_start: np.ndarray, out_ids: list[list[int]]
+    tensors: LogprobsTensors | None, states, row_start: np.ndarray, out_ids: list[list[int]], vocab_size: int
 ) -> list[LogprobsLists | None]:
     """Per request, the logprobs rows of the tokens it emits."""
     if tensors is None:
@@ -416,7 +417,7 @@ def _split_logprobs(
     ids, lps, ranks = tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
     out: list[LogprobsLists | None] = []
     for s, start, tokens in zip(states, row_start.tolist(), out_ids):
-        k = s.sampling_params.logprobs
+        k = num_logprobs(s.sampling_params.logprobs, vocab_size)
         if k is None or not tokens:
             out.append(None)
             continue

@@ -18,6 +18,8 @@ from pagelm.sampling_params import INT64_MAX, INT64_MIN
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+# A number of top logprobs, or vLLM's -1: the whole vocabulary (bounded by --max-logprobs).
+LogprobCount = Annotated[int, Field(ge=-1, le=INT64_MAX)]
 
 # A union of lists stops at the first bad item of each member (fail_fast): otherwise
 # pydantic tried ``list[str]`` on a million token ids and built a million errors first,
@@ -131,7 +133,7 @@ class SamplingFields(RequestBody):
     # vLLM's logits processors and prompt options
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: Count | None = None  # not with stream; at most the engine's max_logprobs
+    prompt_logprobs: LogprobCount | None = None  # not with stream; at most the engine's max_logprobs
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:123"
     stream: bool = False
@@ -156,7 +158,7 @@ class SamplingFields(RequestBody):
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
     max_tokens: Count | None = 16
-    logprobs: Count | None = None  # and at most the engine's max_logprobs
+    logprobs: Count | None = None  # at most the engine's max_logprobs; no -1 here, as in vLLM
     echo: bool = False
     suffix: str | None = None
     best_of: Count | None = None
@@ -176,7 +178,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: Count | None = None  # and at most the engine's max_logprobs
+    top_logprobs: LogprobCount | None = None  # and at most the engine's max_logprobs
     # Checked, with their error messages, in tools.py.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

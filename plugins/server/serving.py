@@ -631,10 +631,11 @@ def _finite(x: float) -> float:
 
 def _top_items(entry: dict[int, Logprob], chosen: int, k: int) -> list[tuple[int, Logprob]]:
     """(token id, logprob) of the k most likely tokens of one position (with k = 0: the
-    chosen one)."""
+    chosen one; with k = -1: every token, the engine having sent the whole vocabulary)."""
     if k == 0:
         return [(chosen, entry[chosen])] if chosen in entry else []
-    return sorted(entry.items(), key=lambda item: -item[1].logprob)[:k]
+    ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)
+    return ranked if k < 0 else ranked[:k]
 
 
 def _echo_only(req: CompletionRequest) -> bool:
