@@ -221,8 +221,11 @@ CASES = {
     "tokenize-neither-prompt-nor-messages": Case("/tokenize", body={}, param="prompt"),
     "tokenize-with-a-chat_template": Case("/tokenize", body={"messages": MESSAGES, "chat_template": "{{ 1 }}"},
                                           param="chat_template"),
-    "tokenize-with-chat_template_kwargs": Case("/tokenize", body={"messages": MESSAGES, "chat_template_kwargs": {}},
-                                               param="chat_template_kwargs"),
+    "tokenize-with-reserved-chat_template_kwargs": Case(
+        "/tokenize", body={"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}}, param="chat_template_kwargs"
+    ),
+    "tokenize-tools-not-a-list": Case("/tokenize", body={"messages": MESSAGES, "tools": {"type": "function"}},
+                                      param="tools"),
     "tokenize-lone-surrogate": raw(b'{"prompt": "a\\udc00"}', "surrogate", "prompt", "/tokenize"),
 }
 

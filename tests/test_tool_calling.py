@@ -9,6 +9,7 @@ arguments validate against the tool's JSON schema, streamed and not."""
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -165,6 +166,37 @@ def test_tools_and_tool_turns_reach_the_chat_template(client, model_dir):
     assert resp.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
     without_tools = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
     assert without_tools.usage.prompt_tokens < resp.usage.prompt_tokens
+
+
+def test_tokenize_with_tools_counts_the_prompt_chat_renders(client, model_dir):
+    """vLLM's /tokenize takes tools: the ids are the chat template's rendering with them, the
+    very prompt /v1/chat/completions runs (its prompt_tokens)."""
+    url = str(client.base_url).removesuffix("/v1/")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rendered = tokenizer.apply_chat_template(MESSAGES, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert '"name": "get_weather"' in rendered
+    r = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES, "tools": TOOLS, "return_token_strs": True})
+    body = r.json()
+    assert r.status_code == 200 and body["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
+    assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"]) and body["count"] == len(body["tokens"])
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=1)
+    assert chat.usage.prompt_tokens == body["count"]
+    plain = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()
+    assert plain["count"] < body["count"] and plain["token_strs"] is None
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"messages": MESSAGES, "tools": [WEATHER, WEATHER]}, "tools[1].function.name", "is also tools[0]'s"),
+    ({"messages": MESSAGES, "tools": [{"type": "retrieval"}]}, "tools[0].type", 'must be "function"'),
+    ({"prompt": "hi", "tools": TOOLS}, "tools", "applies to messages, not to a prompt"),
+    ({"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": True}, "continue_final_message",
+     "cannot both be true"),
+])
+def test_tokenize_checks_tools_as_chat_does(client, body, param, words):
+    r = httpx.post(f"{str(client.base_url).removesuffix('/v1/')}/tokenize", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
 
 
 def test_tiny_chat_template_renders_turns_without_tools_as_plain_chatml(model_dir):

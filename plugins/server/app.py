@@ -35,6 +35,7 @@ from pagelm.plugins.server.responses import ResponsesServing
 from pagelm.plugins.server.responses_protocol import ResponsesRequest
 from pagelm.plugins.server.serving import OpenAIServing
 from pagelm.plugins.server.tools import ToolCalling
+from pagelm.plugins.server.tokenize import tokenize as tokenize_request
 from pagelm.plugins.server.tokenizer_info import tokenizer_info
 
 
@@ -141,14 +142,7 @@ def build_app(
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         serving.check_model(body.model)
         serving.check_fields(body)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError("give exactly one of prompt and messages", param="prompt")
-        if body.messages is not None:
-            chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
-            ids = (await asyncio.to_thread(serving._chat_prompt, chat))["prompt_token_ids"]
-        else:  # off the event loop: a 5 MB prompt took seconds
-            ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+        return await asyncio.to_thread(tokenize_request, serving, body)  # off the event loop
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

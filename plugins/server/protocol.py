@@ -358,17 +358,27 @@ class ModelList(OpenAIModel):
 
 
 class TokenizeRequest(RequestBody):
+    """vLLM's two ``/tokenize`` requests in one: a ``prompt``, or chat ``messages`` with the
+    chat fields that shape the rendered prompt (``tools``, ``chat_template_kwargs``...)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    # None: vLLM's defaults, true for a prompt, false for messages (the template has its own).
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
 
 
 class TokenizeResponse(OpenAIModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
 
 
 class DetokenizeRequest(RequestBody):
