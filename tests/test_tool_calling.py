@@ -262,6 +262,28 @@ def test_auto_needs_the_servers_auto_tool_choice_flag(model_dir):
         assert resp.choices[0].message.content and resp.choices[0].message.tool_calls is None
 
 
+def test_exclude_tools_when_tool_choice_none_renders_none_for_none(model_dir):
+    """vLLM's --exclude-tools-when-tool-choice-none: tool_choice "none" runs the prompt without
+    the tools (the same prompt as no tools); another tool_choice still renders them."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def count(**kw):
+        return len(tokenizer.encode(tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **kw),
+                                    add_special_tokens=False))
+
+    with running_server(str(model_dir), *COMMON, "--exclude-tools-when-tool-choice-none") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        kw = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=1)
+        none = client.chat.completions.create(**kw, tool_choice="none")
+        assert none.usage.prompt_tokens == count() < count(tools=TOOLS)
+        named = client.chat.completions.create(**{**kw, "max_tokens": 64}, tool_choice=NAMED)
+        assert named.usage.prompt_tokens == count(tools=TOOLS)
+        check_calls(named.choices[0].message.tool_calls, names=["get_weather"])
+        with pytest.raises(openai.BadRequestError) as info:  # excluded from the prompt, still checked
+            client.chat.completions.create(**{**kw, "tools": [WEATHER, WEATHER]}, tool_choice="none")
+        assert info.value.body["param"] == "tools[1].function.name"
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser NAME"),
     (["--enable-auto-tool-choice", "--tool-call-parser", "nope"], "unknown tool call parser 'nope'; registered: hermes, llama3_json"),

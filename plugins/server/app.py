@@ -45,6 +45,7 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS,
     tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
     enable_tokenizer_info_endpoint: bool = False, max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    exclude_tools_when_tool_choice_none: bool = False,
 ) -> FastAPI:
     """The app serving ``engine``. It starts the engine's output loop at start-up and shuts the
     engine down when the server stops. ``allow_unknown_fields``: ignore request fields
@@ -55,13 +56,16 @@ def build_app(
     request may give; ``max_sequences_per_request``: the most sequences (prompts x n) one
     request may run; ``tool_call_parser`` (a registered tool-call parser) and
     ``enable_auto_tool_choice``: ``tool_choice="auto"`` (see tools.py);
+    ``exclude_tools_when_tool_choice_none``: render no tools for ``tool_choice="none"``;
     ``enable_tokenizer_info_endpoint``: serve ``/tokenizer_info`` (vLLM's flag; it shows the
     chat template and the model's path)."""
     model_name = model_name or engine.model_name
     serving = OpenAIServing(
         engine, model_name, allow_unknown_fields=allow_unknown_fields, max_n=max_n,
         trust_request_chat_template=trust_request_chat_template, max_stop_strings=max_stop_strings,
-        tool_calling=ToolCalling(engine.tokenizer, tool_call_parser, enable_auto_tool_choice),
+        tool_calling=ToolCalling(
+            engine.tokenizer, tool_call_parser, enable_auto_tool_choice, exclude_tools_when_tool_choice_none
+        ),
         max_sequences=max_sequences_per_request,
     )
     responses_serving = ResponsesServing(serving)

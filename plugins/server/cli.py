@@ -83,6 +83,11 @@ def add_parser(sub) -> None:
         "llama3_json for Llama 3.x; `pagelm plugins` lists all)",
     )
     server.add_argument(
+        "--exclude-tools-when-tool-choice-none", action="store_true",
+        help='with tool_choice "none", leave the tools out of the rendered prompt (as vLLM; default: the '
+        "chat template gets them, as with any other tool_choice)",
+    )
+    server.add_argument(
         "--enable-tokenizer-info-endpoint", action="store_true",
         help="serve GET /tokenizer_info, the tokenizer's configuration (as vLLM; default: off, as it shows "
         "the chat template and the model's path)",
@@ -176,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         max_sequences_per_request=args.max_sequences_per_request,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
     )
     server = _draining_server_class()(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,

@@ -12,7 +12,8 @@
 named function     guided: its ``parameters``  one call of it
 =================  ==========================  ================================================
 
-The tools always reach the chat template (``tools=``). Without ``tool_choice``, tools mean
+The tools reach the chat template (``tools=``), except with ``tool_choice="none"`` under
+``--exclude-tools-when-tool-choice-none``. Without ``tool_choice``, tools mean
 ``auto``, which needs ``pagelm serve --enable-auto-tool-choice --tool-call-parser NAME``.
 ``finish_reason`` is ``tool_calls`` when ``auto`` or ``required`` called a tool and the
 output ended by itself; a named choice ends with ``stop``, as OpenAI's does.
@@ -54,8 +55,14 @@ class ToolCalling:
     """The server's tool-calling settings (``--enable-auto-tool-choice``,
     ``--tool-call-parser``), and what they make of each chat request."""
 
-    def __init__(self, tokenizer: Any, tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> None:
+    def __init__(
+        self, tokenizer: Any, tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+        exclude_tools_when_tool_choice_none: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
+        # vLLM's flag: with tool_choice "none" the chat template gets no tools, so the model
+        # is not told about functions it may not call (and the prompt is shorter).
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
         self.parser_cls: type[ToolParser] | None = None
         if tool_call_parser is not None:  # an unknown name lists the registered ones
             self.parser_cls = get_plugin_manager().tool_parsers().get(tool_call_parser)
@@ -82,7 +89,7 @@ class ToolCalling:
             return None
         max_calls = 1 if req.parallel_tool_calls is False else None
         if choice == "none":
-            return ToolRequest("none", tools)
+            return ToolRequest("none", [] if self.exclude_tools_when_tool_choice_none else tools)
         if choice == "auto":
             if not self.enable_auto_tool_choice:
                 raise APIError(
