@@ -2,12 +2,17 @@
 client: vLLM's metric names, labels and meanings, the HTTP and process metrics, checked
 against what the requests did."""
 
+import os
+import signal
+import subprocess
+import time
+
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from test_server import API_KEY, AUTH, MODEL, running_server
+from test_server import API_KEY, AUTH, MODEL, start_server
 
 # What vLLM's Grafana dashboards, alerts and autoscalers query (vLLM V1 names; the two
 # deprecated ones are what its example dashboard still plots).
@@ -60,12 +65,26 @@ SERVER_METRICS = {
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir):
-    with running_server(
+def served(llama_dir):
+    """(the server process, its URL)."""
+    proc, url = start_server(
         str(llama_dir), "--api-key", API_KEY, "--served-model-name", MODEL,
         "--num-kv-blocks", "512", "--max-model-len", "512", "--block-size", "16",
-    ) as url:
-        yield url
+    )
+    try:
+        yield proc, url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[1]
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +216,77 @@ def test_process_metrics_describe_the_serving_process(server):
     assert value(families, "process_resident_memory_bytes") > 10 * 2**20
     assert value(families, "process_cpu_seconds_total") > 0
     assert sum(v for (name, _), v in families["python_gc_collections"]["samples"].items()) > 0
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (field 3 onwards)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def core_pid(server_pid: int) -> int:
+    """The engine core: the server's child process running pagelm.engine.core_proc."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(_stat(int(entry))[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, IndexError):
+            continue
+        if ppid == server_pid and b"pagelm.engine.core_proc" in cmdline:
+            return int(entry)
+    raise AssertionError(f"no engine core process under {server_pid}")
+
+
+def start_time(pid: int) -> float:
+    """The process's start, in seconds since the epoch, as the process collector computes it."""
+    with open("/proc/stat") as f:
+        boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+    return float(_stat(pid)[19]) / os.sysconf("SC_CLK_TCK") + boot
+
+
+def rss(pid: int) -> float:
+    with open(f"/proc/{pid}/statm") as f:
+        return float(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def core_metric(families, sample: str) -> float:
+    """A sample of the engine core's process metrics (no labels: one process)."""
+    key = (f"pagelm:engine_core_process_{sample}", ())
+    return next(f["samples"][key] for f in families.values() if key in f["samples"])
+
+
+def test_engine_core_process_metrics_describe_the_core_process(served):
+    """The model and every forward pass live in the engine core's process: its memory and CPU
+    time are on /metrics beside the API process's, read from its own /proc entry."""
+    proc, server = served
+    core = core_pid(proc.pid)
+    families = scrape(server)
+    assert families["pagelm:engine_core_process_resident_memory_bytes"]["type"] == "gauge"
+    assert families["pagelm:engine_core_process_cpu_seconds"]["type"] == "counter"
+    assert core_metric(families, "start_time_seconds") == pytest.approx(start_time(core), abs=0.02)
+    assert value(families, "process_start_time_seconds") == pytest.approx(start_time(proc.pid), abs=0.02)
+    assert core_metric(families, "resident_memory_bytes") == pytest.approx(rss(core), rel=0.05)
+    assert core_metric(families, "cpu_seconds_total") > 0.5  # it loaded torch and the model
+    assert core_metric(families, "open_fds") > 0
+
+
+def test_engine_core_process_metrics_follow_a_restarted_core(served):
+    """Last in the module: kills the engine core. The server starts a new one, whose process
+    the metrics then describe."""
+    proc, server = served
+    dead = core_pid(proc.pid)
+    os.kill(dead, signal.SIGKILL)
+    deadline = time.time() + 120
+    while True:
+        try:
+            fresh = core_pid(proc.pid)
+            if fresh != dead and httpx.get(f"{server}/health", timeout=1).status_code == 200:
+                break
+        except (AssertionError, httpx.HTTPError):
+            pass
+        assert time.time() < deadline, "the engine core was not restarted"
+        time.sleep(0.2)
+    families = scrape(server)
+    assert core_metric(families, "start_time_seconds") == pytest.approx(start_time(fresh), abs=0.02)
+    assert core_metric(families, "resident_memory_bytes") == pytest.approx(rss(fresh), rel=0.05)

@@ -68,6 +68,9 @@ class CoreClient:
     num_kv_blocks: int
     block_size: int
     eos_token_ids: frozenset[int]
+    # The engine core's process id; None when the core runs in this process. Read, not
+    # kept: a restarted core is a new process (the server's process metrics follow it).
+    pid: int | None = None
 
     def __init__(self) -> None:
         self._outputs: asyncio.Queue | None = None
@@ -252,6 +255,10 @@ class MPCoreClient(CoreClient):
     @property
     def is_alive(self) -> bool:
         return self.proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def shutdown(self) -> None:
         if self._closing:

@@ -18,6 +18,7 @@ from pagelm.engine.async_llm import AsyncLLM
 from pagelm.plugins.server import (
     DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQUENCES_PER_REQUEST, DEFAULT_MAX_STOP_STRINGS,
 )
+from pagelm.plugins.server.core_process_metrics import EngineCoreProcessCollector
 from pagelm.plugins.server.errors import APIError, install_error_handlers
 from pagelm.plugins.server.http_metrics import HTTPMetrics, HTTPMetricsMiddleware
 from pagelm.plugins.server.load import ServerLoad, ServerLoadMiddleware
@@ -90,6 +91,7 @@ def build_app(
     # has the HTTP metrics only). Outermost: it times and counts every request, refused too.
     registry = getattr(engine.stat_loggers.get("prometheus"), "registry", None) or CollectorRegistry()
     app.add_middleware(HTTPMetricsMiddleware, metrics=HTTPMetrics(registry))
+    registry.register(EngineCoreProcessCollector(lambda: engine.core.pid))  # the core's own process
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
