@@ -10,8 +10,9 @@ calls rather than a loop of small ones per request:
   (a padded ``[batch, kv_heads, blocks * block_size, head_dim]`` view; a boolean mask hides
   the padding). Grouped-query heads share their K/V through ``enable_gqa``, never copied.
 * **prefill rows** (several query tokens) run one call each: a prompt with nothing cached
-  attends over the step's own keys with ``is_causal`` (torch's fast kernel, no mask); a
-  chunk after a cached prefix gathers its blocks and passes the offset causal mask.
+  attends over the step's own keys with ``is_causal`` (no mask); a chunk after a cached
+  prefix gathers its blocks and passes the offset causal mask. Both as 4-D tensors, which
+  torch's fused CPU kernel needs (3-D ones take its unfused math path).
 
 Attention runs in float32, as the reference always has (a no-op for float32 models).
 """
@@ -146,22 +147,27 @@ class TorchAttentionImpl(AttentionImpl):
 
     def _prefill(self, q, k, v, seq_len: int) -> torch.Tensor:
         """One request's ``q`` [L, heads, dim], the last ``L`` of its ``seq_len`` positions,
-        over its keys ``k``/``v`` [seq_len, kv_heads, dim]."""
+        over its keys ``k``/``v`` [seq_len, kv_heads, dim].
+
+        The tensors go in as ``[1, heads, L, dim]``: torch's fused CPU kernel takes 4-D inputs
+        only, and 3-D ones fell back to the unfused math path (the whole ``L x L`` score
+        matrix, GQA heads copied): 3.3x slower on 760-token prompts, the largest part of a
+        long prompt's prefill."""
         spec = self.spec
         query_len = q.shape[0]
         mask = None
         if query_len != seq_len or spec.sliding_window is not None:
             mask = _causal_mask(query_len, seq_len, spec.sliding_window, q.device)
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).float(),
-            k.transpose(0, 1).float(),
-            v.transpose(0, 1).float(),
+            q.transpose(0, 1)[None].float(),
+            k.transpose(0, 1)[None].float(),
+            v.transpose(0, 1)[None].float(),
             attn_mask=mask,
             is_causal=mask is None,
             scale=spec.scale,
             enable_gqa=spec.num_heads != spec.num_kv_heads,
         )
-        return o.transpose(0, 1).to(q.dtype)
+        return o[0].transpose(0, 1).to(q.dtype)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
