@@ -46,7 +46,8 @@ def pagelm_register_structured_output_backends(registry: "Registry") -> None:
 
 @hookspec
 def pagelm_register_proposers(registry: "Registry") -> None:
-    """Add speculative-decoding ``Proposer`` subclasses: ``registry.add(name, proposer_cls)``.
+    """Add speculative-decoding ``Proposer`` subclasses (usually of
+    ``pagelm.plugins.spec_decode.DraftProposer``): ``registry.add(name, proposer_cls)``.
     The name is what ``speculative_config={"method": name}`` selects."""
 
 

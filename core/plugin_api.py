@@ -33,7 +33,11 @@ from typing import Any
 # 2.4 added the pagelm_register_stat_loggers hook (StatLogger: Prometheus and the stats log
 # left the core), the optional AttentionMetadataBuilder.configure(config), and removed the
 # core's cascade notion (docs/plugins.md, migration to 2.4).
-PLUGIN_API_VERSION = "2.4"
+# 2.5 moved drafting out of the proposer contract (version 2): the engine calls
+# Proposer.propose_step(FinishedStep) and may_draft; propose(ProposalBatch), adaptive drafting
+# and the token history are pagelm.plugins.spec_decode.DraftProposer's (docs/plugins.md,
+# migration to the proposer contract version 2).
+PLUGIN_API_VERSION = "2.5"
 PLUGIN_API_ATTRIBUTE = "PAGELM_PLUGIN_API"
 
 _VERSION_RE = re.compile(r"^(\d+)(?:\.(\d+))?$")

@@ -23,7 +23,7 @@ from pagelm.plugins.policies.fcfs import FCFSPolicy
 from pagelm.plugins.spec_decode.ngram import NgramProposer
 from pagelm.request import Request, RequestStatus
 from pagelm.sched.scheduler import Scheduler
-from pagelm.spec_decode import Proposer
+from pagelm.plugins.spec_decode import DraftProposer
 from pagelm.worker.output import ModelRunnerOutput
 from spec_helpers import count_launches, registered_proposer
 
@@ -209,7 +209,7 @@ def test_guided_requests_run_ahead_sampling_after_the_previous_step_and_follow_t
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-class EveryStep(Proposer):
+class EveryStep(DraftProposer):
     """A proposer that must see every step (as a draft model does): never drafts."""
 
     name = "every_step"

@@ -15,7 +15,7 @@ from pagelm import LLM, EngineConfig, GuidedDecodingParams, SamplingParams
 from pagelm.plugins.structured_output.xgrammar_backend import XgrammarBackend
 from pagelm.request import Request
 from pagelm.sample.bitmask import unpack_bitmask
-from pagelm.spec_decode import Proposer
+from pagelm.plugins.spec_decode import DraftProposer
 from pagelm.plugins.structured_output import GrammarManager
 from spec_helpers import count_launches, registered_proposer
 
@@ -292,7 +292,7 @@ def test_drafts_not_validated_leave_the_rows_after_a_rejected_or_stop_token_unco
     assert torch.equal(allowed(request.grammar), rows[0])
 
 
-class AlwaysZ(Proposer):
+class AlwaysZ(DraftProposer):
     """Drafts ``z`` k times: a token the test's grammar never allows."""
 
     name = "always_z"
@@ -325,4 +325,4 @@ def test_drafts_the_grammar_always_cuts_back_the_request_off(tokenizer, llama_di
     steps_with_drafts = sum(1 for n in proposals if n > 0)
     # Two misses, then probes after 2, 4, 8, ... steps: a few of the ~80 steps, not all.
     assert 0 < steps_with_drafts <= 12, proposals
-    assert runner.spec.backoff.num_skipped > 0
+    assert runner.spec.proposer.backoff.num_skipped > 0

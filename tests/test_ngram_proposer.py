@@ -43,7 +43,7 @@ def test_requests_with_no_draft_budget_are_not_looked_up(monkeypatch):
     """A request backed off by adaptive drafting (or with no room) costs the lookup nothing."""
     import pagelm.plugins.spec_decode.ngram as ngram
     from pagelm.config import EngineConfig
-    from pagelm.spec_decode import ProposalBatch
+    from pagelm.plugins.spec_decode import ProposalBatch
 
     config = EngineConfig(model="(test)", speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                               "prompt_lookup_min": 1})

@@ -15,7 +15,7 @@ from pagelm import LLM, SamplingParams, hookimpl
 from pagelm.plugin_manager import PluginLoadError, PluginManager, get_plugin_manager
 from pagelm.registry import PluginError
 from pagelm.sched.policy import SchedulingPolicy
-from pagelm.spec_decode import Proposer
+from pagelm.plugins.spec_decode import DraftProposer
 from test_plugins import install_fake_distribution, plugin_declaring
 
 
@@ -23,35 +23,35 @@ class NoRank(SchedulingPolicy):
     name = "no_rank"  # forgot rank()
 
 
-class OutOfVocabulary(Proposer):
+class OutOfVocabulary(DraftProposer):
     name = "out_of_vocabulary"
 
     def propose(self, batch):
         return [[10**6] * int(m) for m in batch.max_num_drafts]
 
 
-class ReturnsNone(Proposer):
+class ReturnsNone(DraftProposer):
     name = "returns_none"
 
     def propose(self, batch):
         return None
 
 
-class NegativeIds(Proposer):
+class NegativeIds(DraftProposer):
     name = "negative_ids"
 
     def propose(self, batch):
         return [[-1] * int(m) for m in batch.max_num_drafts]
 
 
-class OneIntPerRequest(Proposer):
+class OneIntPerRequest(DraftProposer):
     name = "one_int_per_request"
 
     def propose(self, batch):
         return [5] * batch.num_reqs
 
 
-class FloatIds(Proposer):
+class FloatIds(DraftProposer):
     name = "float_ids"
 
     def propose(self, batch):

@@ -7,8 +7,9 @@ import pytest
 
 from pagelm import LLM, SamplingParams
 from pagelm.plugins.bench.latency import reject_all_drafts
-from pagelm.spec_decode import Proposer, SpeculativeConfig
-from pagelm.spec_decode.backoff import DraftBackoff
+from pagelm.plugins.spec_decode import DraftProposer
+from pagelm.spec_decode import FinishedStep, SpeculativeConfig
+from pagelm.plugins.spec_decode.backoff import DraftBackoff
 from spec_helpers import registered_proposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -88,7 +89,7 @@ def test_a_proposal_that_finds_nothing_counts_as_a_miss():
 # ---- through the engine ---------------------------------------------------------------------
 
 
-class NeverRight(Proposer):
+class NeverRight(DraftProposer):
     """Drafts ``speculative_config["token"]``, k times: never accepted where the target never
     produces that token."""
 
@@ -133,7 +134,7 @@ def test_rejected_drafts_back_off_to_a_small_fraction_of_steps(llama_dir, never_
     assert stats.num_accepted_tokens == 0
     # 200 steps at batch 4: drafts at 2 steps, then probes every 2, 4, ... 32 steps.
     assert 0 < verify_steps < 0.1 * LONG.max_tokens
-    assert llm.engine.core.runner.spec.backoff.num_skipped > 0.8 * 4 * LONG.max_tokens
+    assert llm.engine.core.runner.spec.proposer.backoff.num_skipped > 0.8 * 4 * LONG.max_tokens
 
 
 def test_without_adaptive_every_step_verifies_rejected_drafts(llama_dir, never_right, plain):
@@ -141,7 +142,7 @@ def test_without_adaptive_every_step_verifies_rejected_drafts(llama_dir, never_r
     spec = {"method": "never_right", "num_speculative_tokens": 3, "token": unused, "adaptive": False}
     llm, got, verify_steps = generate(llama_dir, REPETITIVE, speculative_config=spec)
     assert got == want
-    assert llm.engine.core.runner.spec.backoff is None
+    assert llm.engine.core.runner.spec.proposer.backoff is None
     # Every step after the prefill verifies drafts (the last step has no room for any).
     assert verify_steps == LONG.max_tokens - 2
     assert llm.engine.core.scheduler.spec_decoding_stats.num_drafts == 4 * (LONG.max_tokens - 2)
@@ -169,7 +170,7 @@ def test_accepted_ngram_drafts_keep_every_step_drafting(make_model):
     assert stats.mean_acceptance_length > 3.0, stats
     assert verify_steps == fixed_steps
     # At most a step where the lookup had found nothing twice in a row (misses too).
-    assert llm.engine.core.runner.spec.backoff.num_skipped <= 1
+    assert llm.engine.core.runner.spec.proposer.backoff.num_skipped <= 1
 
 
 def test_a_new_request_on_a_backed_off_row_drafts_from_its_first_step(llama_dir, never_right, plain):
@@ -178,7 +179,7 @@ def test_a_new_request_on_a_backed_off_row_drafts_from_its_first_step(llama_dir,
     llm = LLM(str(llama_dir), dtype="float32", block_size=8, speculative_config=spec)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     (first,) = llm.generate(REPETITIVE[:1], params, use_tqdm=False)
-    backoff = llm.engine.core.runner.spec.backoff
+    backoff = llm.engine.core.runner.spec.proposer.backoff
     assert backoff.resume_step[0] > backoff.step  # still backed off when it finished
     # The next request takes the same row (free rows are a stack) and starts afresh.
     (second,) = llm.generate(REPETITIVE[1:2], params, use_tqdm=False)
@@ -187,24 +188,32 @@ def test_a_new_request_on_a_backed_off_row_drafts_from_its_first_step(llama_dir,
 
 def test_a_different_request_state_on_a_row_resets_it(llama_dir):
     """A request resumed after preemption comes back as a new state object, possibly on the
-    row it had: its backoff (and token table) start over."""
+    row it had: its backoff (and token history) start over."""
     from pagelm.worker.step_state import CachedRequestState
 
     llm = LLM(str(llama_dir), dtype="float32", block_size=8, speculative_config=NGRAM)
-    spec = llm.engine.core.runner.spec
+    proposer = llm.engine.core.runner.spec.proposer
 
     def state():
         return CachedRequestState("r", [1, 2, 3], 3, SamplingParams(), [0], False, row=0)
 
+    def after_step(request):
+        one = np.array([1])
+        return FinishedStep(
+            requests=[request], rows=np.array([0]), num_drafts=np.array([0]), num_sampled=one, num_tokens=np.array([3]),
+            max_model_len=64, ahead=True, target=None,
+        )
+
     before = state()
-    spec._claim_rows([before])
-    spec.backoff.observe(np.array([0]), np.array([3]), np.array([0]))
-    spec.backoff.observe(np.array([0]), np.array([3]), np.array([0]))
-    spec._claim_rows([before])  # the same request: kept
-    assert spec.backoff.misses[0] == 2
-    resumed = state()
-    spec._claim_rows([resumed])
-    assert spec.backoff.misses[0] == 0 and spec.backoff.resume_step[0] == 0
+    assert proposer.propose_step(after_step(before)) == [[]]
+    proposer.backoff.observe(np.array([0]), np.array([3]), np.array([0]))
+    proposer.backoff.observe(np.array([0]), np.array([3]), np.array([0]))
+    proposer.rows.table_len[0] = 3
+    proposer.propose_step(after_step(before))  # the same request: kept
+    assert proposer.backoff.misses[0] == 2 and proposer.rows.table_len[0] == 3
+    proposer.propose_step(after_step(state()))
+    assert proposer.backoff.misses[0] == 0 and proposer.backoff.resume_step[0] == 0
+    assert proposer.rows.table_len[0] == 0
 
 
 # ---- configuration --------------------------------------------------------------------------

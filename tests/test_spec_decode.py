@@ -15,7 +15,7 @@ from pagelm.config import EngineConfig
 from pagelm.engine.core_loop import SchedulerStats
 from pagelm.plugins.metrics.prometheus import PrometheusStatLogger
 from pagelm.plugin_manager import get_plugin_manager
-from pagelm.spec_decode import Proposer
+from pagelm.plugins.spec_decode import DraftProposer
 from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
 from pagelm.testing.conformance import check_proposer
 
@@ -196,7 +196,7 @@ def test_prometheus_exposes_acceptance_counters():
     assert samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", "1")] == 2
 
 
-class RepeatLastToken(Proposer):
+class RepeatLastToken(DraftProposer):
     """Drafts the last token again, k times: right on runs of one token, wrong elsewhere."""
 
     name = "repeat_last"

@@ -1,9 +1,10 @@
-"""Speculative decoding: the ``Proposer`` ABC that draft plugins implement (``ngram``,
-``eagle``), ``speculative_config`` parsing and acceptance counters. Verification is
-``pagelm.sample.rejection_sampler``."""
+"""Speculative decoding: the ``Proposer`` contract that draft plugins implement (the
+drafting itself, ``ngram`` and ``eagle`` are in ``pagelm.plugins.spec_decode``),
+``speculative_config`` parsing and acceptance counters. Verification is
+``pagelm.sample.rejection_sampler`` and ``pagelm.worker.spec_decode``."""
 
 from pagelm.spec_decode.config import SpeculativeConfig
-from pagelm.spec_decode.proposer import ProposalBatch, Proposer
+from pagelm.spec_decode.proposer import FinishedStep, Proposer, RequestView, TargetPass
 from pagelm.spec_decode.stats import SpecDecodingStats
 
-__all__ = ["ProposalBatch", "Proposer", "SpecDecodingStats", "SpeculativeConfig"]
+__all__ = ["FinishedStep", "Proposer", "RequestView", "SpecDecodingStats", "SpeculativeConfig", "TargetPass"]

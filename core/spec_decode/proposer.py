@@ -1,60 +1,77 @@
-"""The speculative proposer contract: after each step's forward pass and verification, a
-proposer drafts up to ``k`` tokens per request; the next step verifies them in the same
+"""The speculative proposer contract (version 2): what the engine calls after each step to
+get the next step's drafts, and what it hands over; nothing about how drafts are made.
+
+After each step's forward pass and verification the engine hands the proposer the step
+(``FinishedStep``) and verifies whatever drafts come back in the next step, in the same
 flattened batch as everything else::
 
     step t   | r0: prefill chunk ....... | r1: x  d1 d2 d3 | r2: x |       target forward
                                               ^  ^  ^  ^
                                  rejection sampler: accepts d1 d2, resamples d3's slot
-             proposer.propose(batch)  ->  r1: [e1 e2 e3], r2: [f1 f2 f3]   drafts for step t+1
+             proposer.propose_step(step) ->  r1: [e1 e2 e3], r2: [f1 f2 f3]   drafts for step t+1
 
 Proposers are plugins (``pagelm_register_proposers``); ``speculative_config={"method": name}``
 selects one. A proposer only proposes: verification (``pagelm.sample.rejection_sampler``)
 is the core's, and it is lossless whatever the drafts are, so a bad proposer costs speed,
-never correctness.
+never correctness. The engine checks every proposal (one list of in-vocabulary ids per
+request, else a ``PluginError`` naming the proposer) and cuts drafts that would not fit
+``max_tokens`` / ``max_model_len``.
+
+How to draft (which requests, how many, adaptive back-off, a token history) is the plugin's:
+``pagelm.plugins.spec_decode.DraftProposer`` does it for any proposer that implements
+``propose(batch)`` over a ``ProposalBatch`` (the built-in ``ngram`` and ``eagle`` do).
+
+Version 1 had ``propose(ProposalBatch)``, the drafting and ``ProposalBatch`` here;
+``docs/plugins.md`` has the migration note.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
 from pagelm.attention import Attention, CommonAttentionMetadata
+from pagelm.registry import PluginError
 
 if TYPE_CHECKING:
     from pagelm.config import EngineConfig
+    from pagelm.sampling_params import SamplingParams
+
+PROPOSER_CONTRACT_VERSION = 2
 
 
-@dataclass
-class ProposalBatch:
-    """One step, as a proposer sees it after verification. Row ``i`` is the ``i``-th request
-    of the step's batch (every scheduled request, also those that get no drafts)::
+class RequestView(Protocol):
+    """A running request as the model runner keeps it (read only: the runner owns it). The
+    same object stays on its block-table ``row`` until the request finishes or is preempted;
+    a request resumed after preemption comes back as a new object."""
+
+    req_id: str
+    row: int
+    token_ids: list[int]  # prompt + outputs; past a step in flight, placeholders
+    output_token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: "SamplingParams"
+
+
+@dataclass(kw_only=True)
+class TargetPass:
+    """The target's forward pass of a step, for a proposer that reads it (a draft model
+    writes its own KV at the step's slots and drafts from the target's hidden states)::
 
         flattened step:  | r0 tokens ........ | r1: x d1 d2 d3 | r2: x |
         last_token_index            r0 ^             ^ (d2 accepted)  ^
         next_token_ids     next prompt token    token sampled after d2   sampled token
-
-    ``token_ids``/``num_tokens`` are the host-side history (``None`` unless the proposer sets
-    ``uses_token_ids``); the rest describes the target's forward pass, for model-based
-    proposers (EAGLE) that read its hidden states and write their own KV at its slots.
     """
 
-    req_ids: list[str]
-    # [n] at most this many drafts for request i; 0: none (unfinished prefill chunk, backed
-    # off after rejected drafts (adaptive drafting), or no room left before
-    # max_model_len / max_tokens). A proposer does no drafting work for such a request.
-    max_num_drafts: np.ndarray
-    # [n, width] int32, prompt + every accepted output token, zero padded; and [n] lengths.
-    token_ids: np.ndarray | None
-    num_tokens: np.ndarray
-    # The target's forward pass: flattened inputs [T], their positions [T], its last hidden
-    # states [T, hidden] (after the final norm), and the step's attention layout (None for a
-    # proposer that sets ``uses_target_pass = False``).
+    # Flattened inputs [T], their positions [T], the last hidden states [T, hidden] (after the
+    # final norm), and the step's attention layout; all None for a proposer that sets
+    # ``uses_target_pass = False`` (they cost device copies every step).
     input_ids: torch.Tensor | None
     positions: torch.Tensor | None
     hidden_states: torch.Tensor | None
@@ -70,13 +87,6 @@ class ProposalBatch:
     block_size: int
     # The attention backend's metadata for a ``CommonAttentionMetadata`` (once per pass).
     build_attention_metadata: Callable[[CommonAttentionMetadata], Any]
-    # [n] each request's ``SamplingParams.extra_args`` (per-request data for plugins; None
-    # where the request has none). The engine always fills it.
-    extra_args: list[dict[str, Any] | None] | None = None
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
 
     def decode_attention_metadata(self, index: np.ndarray, positions: np.ndarray) -> Any:
         """The backend's metadata for a pass of one token per request: request
@@ -87,6 +97,28 @@ class ProposalBatch:
             self.block_table_cpu, self.rows[index], positions, self.block_size, self.hidden_states.device
         )
         return self.build_attention_metadata(common)
+
+
+@dataclass
+class FinishedStep:
+    """One step after verification, as the engine hands it to ``Proposer.propose_step``.
+    Row ``i`` is the ``i``-th request of the step's batch (every scheduled request)."""
+
+    requests: Sequence[RequestView]
+    rows: np.ndarray  # [n] block-table rows: per-request state a proposer keeps is keyed by them
+    num_drafts: np.ndarray  # [n] drafts this step verified
+    num_sampled: np.ndarray  # [n] tokens it emitted (accepted drafts + 1; 0: a prefill chunk that stops short)
+    num_tokens: np.ndarray  # [n] tokens known after it (prompt + accepted outputs)
+    max_model_len: int
+    # The next step is launched already (async scheduling): drafts would come too late, so
+    # the engine wants none, and ``target`` is None. It launched it only because
+    # ``may_draft`` said nobody may draft.
+    ahead: bool
+    target: TargetPass | None
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.requests)
 
 
 def decode_attention_metadata(
@@ -123,25 +155,23 @@ class Proposer(ABC):
     """Drafts tokens for speculative decoding. One instance per engine, built after the target
     model is loaded and before the KV cache is sized.
 
-    Subclasses set ``name`` and implement ``propose``; a proposer with its own attention
-    layers (a draft model) returns them from ``attention_layers`` so the engine sizes and
-    binds their KV caches (the same block ids as the target's), and reserves
-    ``num_lookahead_slots`` KV slots past each step's tokens for the positions it writes
-    while drafting.
+    Subclasses set ``name`` and implement ``propose_step`` (or, more simply, subclass
+    ``pagelm.plugins.spec_decode.DraftProposer`` and implement ``propose``); a proposer with
+    its own attention layers (a draft model) returns them from ``attention_layers`` so the
+    engine sizes and binds their KV caches (the same block ids as the target's), and
+    reserves ``num_lookahead_slots`` KV slots past each step's tokens for the positions it
+    writes while drafting.
     """
 
     name: ClassVar[str] = ""
-    # Whether ``propose`` reads ``ProposalBatch.token_ids`` (the runner then keeps a host
-    # token table for it).
-    uses_token_ids: ClassVar[bool] = True
-    # Whether ``propose`` must see every step, also one in which no request may draft (a draft
-    # model keeps its KV cache in step with the target's). A proposer that only drafts sets
-    # it False: such steps skip it, and may run ahead under async scheduling, which the
-    # engine then keeps on whenever nobody may draft in the next step.
+    # Whether ``propose_step`` must see every step's tokens before the next step is scheduled
+    # (a draft model keeps its KV cache in step with the target's). False lets the engine run
+    # a step ahead under async scheduling whenever ``may_draft`` says nobody may draft;
+    # ``propose_step`` then sees that step with ``ahead`` set.
     needs_every_step: ClassVar[bool] = True
-    # Whether ``propose`` reads the target's forward pass (``input_ids``, ``positions``,
-    # ``hidden_states``, ``common``: a draft model does). False leaves them None and saves
-    # building them on the device every step.
+    # Whether ``propose_step`` reads the target's forward pass (``TargetPass.input_ids``,
+    # ``positions``, ``hidden_states``, ``common``: a draft model does). False leaves them
+    # None and saves building them on the device every step.
     uses_target_pass: ClassVar[bool] = True
 
     def __init__(self, config: "EngineConfig", target: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -160,8 +190,8 @@ class Proposer(ABC):
 
     @classmethod
     def num_lookahead_slots(cls, config: "EngineConfig") -> int:
-        """KV slots, past a step's scheduled tokens, that ``propose`` writes (its own KV at
-        draft positions). 0 for proposers without attention layers."""
+        """KV slots, past a step's scheduled tokens, that ``propose_step`` writes (its own KV
+        at draft positions). 0 for proposers without attention layers."""
         return 0
 
     def attention_layers(self) -> list[Attention]:
@@ -169,9 +199,34 @@ class Proposer(ABC):
         return []
 
     @abstractmethod
-    def propose(self, batch: ProposalBatch) -> list[list[int]]:
-        """Draft token ids for every request of ``batch``, in its order: at most
-        ``batch.max_num_drafts[i]`` for request ``i`` (``[]``: no drafts). Called once per
-        step, after verification, for every step (also those with nothing to draft, so a
-        draft model can keep its KV cache in step with the target's), unless
-        ``needs_every_step`` is False."""
+    def propose_step(self, step: FinishedStep) -> list[list[int]]:
+        """Draft token ids for the next step, for every request of ``step`` in its order
+        (``[]``: no drafts; all ``[]`` when ``step.ahead``). Called once per step, after
+        verification: every step, unless ``needs_every_step`` is False (then steps the engine
+        runs ahead are handed over with ``ahead`` set, after the fact)."""
+
+    def may_draft(self, requests: Sequence[RequestView]) -> bool:
+        """Whether the proposal after the step in flight may give any of ``requests`` (every
+        running request) drafts. False lets the engine schedule the next step before the
+        one in flight is finished (async scheduling). Conservative by default."""
+        return True
+
+
+def checked_drafts(proposer: Proposer, drafts: Any, n: int, vocab_size: int) -> list[list[int]]:
+    """``drafts`` as one list of token ids per request, or a ``PluginError`` naming the
+    proposer and what is wrong (a few ints per request, checked in one numpy pass)."""
+    who = f"proposer {proposer.name!r} ({type(proposer).__module__}.{type(proposer).__qualname__})"
+    if not isinstance(drafts, (list, tuple)) or len(drafts) != n:
+        got = f"{len(drafts)} lists" if isinstance(drafts, (list, tuple)) else repr(drafts)[:80]
+        raise PluginError(f"{who}: propose() must return one list of draft ids per request ({n}), got {got}")
+    if not all(isinstance(d, (list, tuple, np.ndarray)) for d in drafts):
+        raise PluginError(f"{who}: propose() returned a draft that is not a list of token ids: {drafts!r:.200}")
+    drafts = [list(d) for d in drafts]
+    flat = [t for d in drafts for t in d]
+    if flat:
+        ids = np.asarray(flat)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise PluginError(f"{who}: propose() returned draft ids that are not integers: {flat[:16]!r:.200}")
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise PluginError(f"{who}: propose() returned draft ids outside the vocabulary [0, {vocab_size}): {flat[:16]}")
+    return drafts

@@ -97,7 +97,7 @@ class ModelRunner:
     def enable_speculative_decoding(self, proposer) -> None:
         """Verify drafts and ask ``proposer`` for new ones every step. Before the KV cache is
         allocated: a draft model's attention layers get caches too."""
-        self.spec = SpecDecodeRunner(proposer, self.max_num_reqs, self.max_model_len)
+        self.spec = SpecDecodeRunner(proposer, self.max_model_len)
 
     def _kv_layers(self) -> list:
         """Every paged attention layer: the model's, then the proposer's (a draft model)."""
@@ -322,7 +322,7 @@ class ModelRunner:
     def may_draft_next(self) -> bool:
         """Whether the proposal after the step in flight may give any request drafts: then
         it must be finished before the next step is scheduled (speculative decoding)."""
-        return self.spec is not None and self.spec.may_draft(list(self.requests.values()))
+        return self.spec is not None and self.spec.proposer.may_draft(list(self.requests.values()))
 
     @staticmethod
     def _add_placeholders(states, starts, counts) -> list[int]:

@@ -20,17 +20,14 @@ which the rejection sampler reads each request's last ``1 + d``::
 Steps mixing prefill chunks with drafts run eagerly, as do batches above the largest
 captured size and backends whose ``graph_support`` is not ``ALWAYS`` (FlashInfer). A step with no
 drafts at all is plain decode (the one-token graphs). The proposer runs after verification,
-eagerly (the EAGLE head's passes are not captured).
-
-Adaptive drafting (``pagelm.spec_decode.backoff``) withholds drafts from requests whose
-drafts keep being rejected: the proposer is asked for none for them (``max_num_drafts`` 0),
-and a step in which nobody drafts is plain decode again.
+eagerly (the EAGLE head's passes are not captured): it gets the step as a ``FinishedStep``
+(``pagelm.spec_decode.proposer``) and says which requests draft how many tokens; the engine
+checks what it returns.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,11 +36,15 @@ import torch
 from pagelm.attention import CommonAttentionMetadata, GraphSupport
 from pagelm.kv_cache import cdiv
 from pagelm.sample import RejectionSampler
-from pagelm.registry import PluginError
 from pagelm.sample.sampler import LogprobsTensors
 from pagelm.sampling_params import num_logprobs
-from pagelm.spec_decode.backoff import DraftBackoff
-from pagelm.spec_decode.proposer import ProposalBatch, Proposer, decode_attention_metadata
+from pagelm.spec_decode.proposer import (
+    FinishedStep,
+    Proposer,
+    TargetPass,
+    checked_drafts,
+    decode_attention_metadata,
+)
 from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner, capture_sizes
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
 from pagelm.worker.sampling_inputs import build_sampling_metadata
@@ -89,24 +90,16 @@ class _DraftRow:
 
 
 class SpecDecodeRunner:
-    def __init__(self, proposer: Proposer, max_num_reqs: int, max_model_len: int) -> None:
+    """The model runner's speculative part: verification steps (graph or eager), the
+    rejection sampler, and handing each finished step to the proposer. It calls only public
+    ``ModelRunner`` methods and attributes; the runner calls ``execute``, ``propose``,
+    ``capture_cuda_graphs`` and its ``proposer``'s ``may_draft`` / ``attention_layers``."""
+
+    def __init__(self, proposer: Proposer, max_model_len: int) -> None:
         self.proposer = proposer
         self.num_speculative_tokens = proposer.num_speculative_tokens
         self.max_model_len = max_model_len
         self.rejection_sampler = RejectionSampler()
-        # Host token history per block-table row, for proposers that read it (n-gram): the
-        # new tokens of a step are copied in before proposing, never the whole history.
-        self.token_table = np.zeros((max_num_reqs, max_model_len), dtype=np.int32) if proposer.uses_token_ids else None
-        self._table_len = np.zeros(max_num_reqs, dtype=np.int64)
-        # Drafts handed out per row by the last proposal: none of them verified in the next
-        # step means they were dropped on the way (a grammar allowed none): a miss.
-        self._proposed = np.zeros(max_num_reqs, dtype=np.int64)
-        # The request state on each block-table row: a different object (a new request, or one
-        # resumed after preemption) resets the row's token table and backoff. Weak, so that a
-        # finished request's token lists are not kept alive by a row nobody reuses.
-        self._row_owner: list[weakref.ref | None] = [None] * max_num_reqs
-        spec = proposer.speculative
-        self.backoff = DraftBackoff(max_num_reqs, spec.backoff_after, spec.max_backoff_steps) if spec.adaptive else None
         self.graphs: CudaGraphRunner | None = None  # verification graphs (CUDA only)
 
     # ---- verification graphs -------------------------------------------------------------
@@ -198,10 +191,6 @@ class SpecDecodeRunner:
             prompt_logprobs = runner.prompt_logprobs(states, starts, counts, hidden, step.common)
             logprobs = _split_logprobs(verified.logprobs, states, row_start, verified.token_ids, runner.vocab_size)
 
-        if self.backoff is not None:
-            num_verified = np.fromiter((len(t) for t in verified.token_ids), dtype=np.int64, count=len(states))
-            self.backoff.observe(self._claim_rows(states), num_drafts, np.maximum(num_verified - 1, 0))
-
         out_ids: list[list[int]] = []
         for state, start, count, tokens in zip(states, starts, counts, verified.token_ids):
             if start + count >= len(state.token_ids):  # reached the end: the sample is real
@@ -219,37 +208,60 @@ class SpecDecodeRunner:
     def propose(
         self, runner, step, hidden, states, starts, counts, num_drafts, out_ids, ahead: bool = False
     ) -> list[list[int]]:
-        """Drafts for the next step, for every request of this one (``[]`` for none).
-        ``ahead``: the next step is already launched (async scheduling), so drafts would come
-        too late; the engine launched it only because nobody may draft (``may_draft``)."""
+        """Drafts for the next step, for every request of this one (``[]`` for none), from
+        the proposer, checked. ``ahead``: the next step is already launched (async
+        scheduling), so drafts would come too late; the engine launched it only because the
+        proposer said nobody may draft (``Proposer.may_draft``)."""
+        assert not (ahead and self.proposer.needs_every_step), f"proposer {self.proposer.name!r} ran behind a launched step"
         n = len(states)
         counts_np, starts_np = np.asarray(counts, dtype=np.int64), np.asarray(starts, dtype=np.int64)
         num_drafts = np.zeros(n, dtype=np.int64) if num_drafts is None else num_drafts
-        num_out = np.fromiter((len(o) for o in out_ids), dtype=np.int64, count=n)
-        sampled = num_out > 0
-        # Known tokens after this step (a step launched since then has left a placeholder
-        # past them): the step's end, less rejected drafts, plus what it emitted.
-        num_tokens = starts_np + counts_np - num_drafts + num_out
-        max_drafts = np.where(sampled, self._room(states, num_tokens), 0)
-        rows = self._claim_rows(states)
-        max_drafts = self._backed_off(rows, max_drafts, num_drafts, sampled)
-        assert not (ahead and self.proposer.needs_every_step), f"proposer {self.proposer.name!r} ran behind a launched step"
-        if ahead or (not self.proposer.needs_every_step and not max_drafts.any()):
-            return [[] for _ in range(n)]
+        num_sampled = np.fromiter((len(o) for o in out_ids), dtype=np.int64, count=n)
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
+        finished = FinishedStep(
+            requests=states,
+            rows=rows,
+            num_drafts=num_drafts,
+            num_sampled=num_sampled,
+            # Known tokens after this step (a step launched since then has left a placeholder
+            # past them): the step's end, less rejected drafts, plus what it emitted.
+            num_tokens=starts_np + counts_np - num_drafts + num_sampled,
+            max_model_len=self.max_model_len,
+            ahead=ahead,
+            target=None,
+        )
+        if not ahead:
+            finished.target = self._target_pass(runner, step, hidden, finished, starts_np, counts_np, out_ids)
+        # Proposing is not sync-free yet: its small host-to-device inputs, and the drafts the
+        # scheduler needs back (EAGLE).
+        with host_sync_point():
+            drafts = self.proposer.propose_step(finished)
+        return checked_drafts(self.proposer, drafts, n, runner.vocab_size)
 
+    def _target_pass(self, runner, step, hidden, finished: FinishedStep, starts_np, counts_np, out_ids) -> TargetPass:
+        """The step's forward pass as the proposer sees it; its device tensors only for a
+        proposer that reads them (a graph replay's inputs live in the graph's staging, so
+        they are uploaded again)."""
+        states, rows, num_sampled, n = finished.requests, finished.rows, finished.num_sampled, finished.num_reqs
         first = first_token_index(step, counts_np)
-        last_index = np.where(sampled, first + counts_np - 1 - num_drafts + num_out - 1, first + counts_np - 1)
+        # The last verified position: before the rejected drafts (accepted: num_sampled - 1).
+        last_index = np.where(
+            num_sampled > 0, first + counts_np - 1 - finished.num_drafts + num_sampled - 1, first + counts_np - 1
+        )
         next_tokens = np.fromiter(
-            (o[-1] if o else s.token_ids[c + cnt] for o, s, c, cnt in zip(out_ids, states, starts, counts)),
+            (o[-1] if o else s.token_ids[c + cnt] for o, s, c, cnt in zip(out_ids, states, starts_np.tolist(), counts_np.tolist())),
             dtype=np.int64, count=n,
         )
-
-        input_ids, positions, common, hidden = self._target_pass(runner, step, hidden, states, starts_np, rows)
-        batch = ProposalBatch(
-            req_ids=[s.req_id for s in states],
-            max_num_drafts=max_drafts,
-            token_ids=self._token_ids(states, rows, num_tokens),
-            num_tokens=num_tokens,
+        input_ids = positions = common = None
+        if not self.proposer.uses_target_pass:
+            hidden = None
+        elif step.input_ids is not None:
+            input_ids, positions, common = step.input_ids, step.positions, step.common
+        else:
+            input_ids = torch.tensor([s.token_ids[c] for s, c in zip(states, starts_np.tolist())]).to(runner.device)
+            positions = torch.from_numpy(starts_np).to(runner.device)
+            common = decode_attention_metadata(runner.block_table_cpu, rows, starts_np, runner.block_size, runner.device)
+        return TargetPass(
             input_ids=input_ids,
             positions=positions,
             hidden_states=hidden,
@@ -261,116 +273,7 @@ class SpecDecodeRunner:
             rows=rows,
             block_size=runner.block_size,
             build_attention_metadata=runner.metadata_builder.build,
-            extra_args=[s.sampling_params.extra_args for s in states],
         )
-        # Proposing is not sync-free yet: its small host-to-device inputs, and the drafts the
-        # scheduler needs back (EAGLE).
-        with host_sync_point():
-            drafts = self._checked(self.proposer.propose(batch), n, max_drafts, runner.vocab_size)
-        found = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=n)
-        self._proposed[rows] = found
-        if self.backoff is not None:  # asked and found nothing: a miss, as a rejected draft is
-            empty = (max_drafts > 0) & (found == 0)
-            if empty.any():
-                self.backoff.observe_empty(rows[empty])
-        return drafts
-
-    def _backed_off(self, rows: np.ndarray, max_drafts: np.ndarray, num_drafts: np.ndarray, sampled) -> np.ndarray:
-        """``max_drafts`` capped by adaptive drafting, which first counts as misses the drafts
-        proposed last time that the scheduler dropped (no room)."""
-        if self.backoff is not None:
-            dropped = (self._proposed[rows] > 0) & (num_drafts == 0) & sampled
-            if dropped.any():
-                self.backoff.observe_empty(rows[dropped])
-            max_drafts = self.backoff.cap(rows, max_drafts)
-        self._proposed[rows] = 0
-        return max_drafts
-
-    def _target_pass(self, runner, step, hidden, states, starts_np: np.ndarray, rows: np.ndarray):
-        """(input_ids, positions, attention metadata, hidden states) of the target's pass, for
-        a proposer that reads it; all None for one that reads only the history (n-gram)."""
-        if not self.proposer.uses_target_pass:
-            return None, None, None, None
-        if step.input_ids is not None:
-            return step.input_ids, step.positions, step.common, hidden
-        # A CUDA graph replay: its inputs live in the graph's staging.
-        input_ids = torch.tensor([s.token_ids[c] for s, c in zip(states, starts_np.tolist())]).to(runner.device)
-        positions = torch.from_numpy(starts_np).to(runner.device)
-        common = decode_attention_metadata(runner.block_table_cpu, rows, starts_np, runner.block_size, runner.device)
-        return input_ids, positions, common, hidden
-
-    def _checked(self, drafts, n: int, max_drafts: np.ndarray, vocab_size: int) -> list[list[int]]:
-        """The proposal cut to each request's room, or a ``PluginError`` naming the proposer:
-        one list of token ids in the vocabulary per request (a few ints per request, checked
-        in one numpy pass)."""
-        who = f"proposer {self.proposer.name!r} ({type(self.proposer).__module__}.{type(self.proposer).__qualname__})"
-        if not isinstance(drafts, (list, tuple)) or len(drafts) != n:
-            got = f"{len(drafts)} lists" if isinstance(drafts, (list, tuple)) else repr(drafts)[:80]
-            raise PluginError(f"{who}: propose() must return one list of draft ids per request ({n}), got {got}")
-        if not all(isinstance(d, (list, tuple, np.ndarray)) for d in drafts):
-            raise PluginError(f"{who}: propose() returned a draft that is not a list of token ids: {drafts!r:.200}")
-        drafts = [list(d[: int(m)]) for d, m in zip(drafts, max_drafts)]
-        flat = [t for d in drafts for t in d]
-        if flat:
-            ids = np.asarray(flat)
-            if ids.ndim != 1 or ids.dtype.kind not in "iu":
-                raise PluginError(f"{who}: propose() returned draft ids that are not integers: {flat[:16]!r:.200}")
-            if ids.min() < 0 or ids.max() >= vocab_size:
-                raise PluginError(
-                    f"{who}: propose() returned draft ids outside the vocabulary [0, {vocab_size}): {flat[:16]}"
-                )
-        return drafts
-
-    def may_draft(self, states) -> bool:
-        """Whether the next proposal may give any of ``states`` (the runner's requests) drafts.
-        False lets the engine schedule the next step before the one in flight is finished
-        (async scheduling): its proposal is then skipped. Conservative: a request new to its
-        row, or near a limit, counts as one that may draft."""
-        if self.proposer.needs_every_step:
-            return True
-        backoff = self.backoff
-        if backoff is None:
-            return bool(states)
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        if (backoff.resume_step[rows] <= backoff.step).any():
-            return True
-        return any(self._row_owner[s.row] is None or self._row_owner[s.row]() is not s for s in states)
-
-    def _room(self, states, num_tokens: np.ndarray) -> np.ndarray:
-        """Drafts each request may take: k, fewer near max_model_len or max_tokens (all of
-        them plus the target's token must fit). A guided request's drafts are checked against
-        its grammar when the scheduler stores them."""
-        room = np.minimum(self.num_speculative_tokens, self.max_model_len - num_tokens - 1)
-        for i, s in enumerate(states):
-            p = s.sampling_params
-            if p.max_tokens is not None:
-                room[i] = min(room[i], p.max_tokens - len(s.output_token_ids) - 1)
-        return np.maximum(room, 0)
-
-    def _claim_rows(self, states) -> np.ndarray:
-        """The requests' block-table rows, with the per-row state of any row that changed
-        hands reset."""
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        for s, row in zip(states, rows.tolist()):
-            owner = self._row_owner[row]
-            if owner is None or owner() is not s:
-                self._row_owner[row] = weakref.ref(s)
-                self._table_len[row] = 0
-                self._proposed[row] = 0
-                if self.backoff is not None:
-                    self.backoff.reset(row)
-        return rows
-
-    def _token_ids(self, states, rows: np.ndarray, num_tokens: np.ndarray) -> np.ndarray | None:
-        """The batch's rows of the token table, after copying in what each request gained."""
-        if self.token_table is None:
-            return None
-        for s, row, end in zip(states, rows.tolist(), num_tokens.tolist()):
-            have = int(self._table_len[row])
-            if have < end:
-                self.token_table[row, have:end] = s.token_ids[have:end]
-                self._table_len[row] = end
-        return self.token_table[rows, : int(num_tokens.max())]
 
 
 def first_token_index(step, counts: np.ndarray) -> np.ndarray:

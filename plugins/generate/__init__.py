@@ -2,7 +2,7 @@
 
 from pagelm import hookimpl
 
-PAGELM_PLUGIN_API = "2.4"
+PAGELM_PLUGIN_API = "2.5"
 
 
 @hookimpl

@@ -3,7 +3,7 @@ command runs."""
 
 from pagelm import hookimpl
 
-PAGELM_PLUGIN_API = "2.4"
+PAGELM_PLUGIN_API = "2.5"
 
 
 @hookimpl

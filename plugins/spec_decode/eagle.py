@@ -30,12 +30,12 @@ from pagelm import hookimpl
 from pagelm.attention import ForwardContext, attention_layers, forward_context
 from pagelm.models.loader import default_dtype, iterate_weights
 from pagelm.plugin_manager import get_plugin_manager
-from pagelm.spec_decode import ProposalBatch, Proposer
+from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 
-PAGELM_PLUGIN_API = "2.4"
+PAGELM_PLUGIN_API = "2.5"
 
 
-class EagleProposer(Proposer):
+class EagleProposer(DraftProposer):
     name = "eagle"
     uses_token_ids = False
 

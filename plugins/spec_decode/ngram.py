@@ -16,12 +16,12 @@ from __future__ import annotations
 import numpy as np
 
 from pagelm import hookimpl
-from pagelm.spec_decode import ProposalBatch, Proposer
+from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 
-PAGELM_PLUGIN_API = "2.4"
+PAGELM_PLUGIN_API = "2.5"
 
 
-class NgramProposer(Proposer):
+class NgramProposer(DraftProposer):
     name = "ngram"
     needs_every_step = False  # nothing to keep between steps: the history is the state
     uses_target_pass = False

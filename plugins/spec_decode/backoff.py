@@ -39,7 +39,7 @@ class DraftBackoff:
         self.step = 0  # the step being run; ``cap`` ends it
         self.num_skipped = 0  # request-steps that could have drafted but were backed off
 
-    def reset(self, row: int) -> None:
+    def reset(self, row: int | list[int]) -> None:
         self.misses[row] = 0
         self.resume_step[row] = 0
 

@@ -1,0 +1,157 @@
+"""``DraftProposer``: the drafting every proposer needs, around the one thing that differs
+between them, ``propose(batch)``. The built-in ``ngram`` and ``eagle`` use it, and so may a
+third-party proposer (the core's contract, ``pagelm.Proposer.propose_step``, is lower level).
+
+After each step it decides how many drafts each request may get, and asks ``propose`` for
+at most that many::
+
+    propose_step(step)   claim rows       a request new to its row starts it afresh
+                         observe          adaptive drafting learns what verification accepted
+                         max_num_drafts   k, less near max_model_len / max_tokens, 0 for a
+                                          request that sampled nothing or is backed off
+                         skip             nobody may draft (and the proposer only drafts), or
+                                          the next step is already launched: no drafts
+                         propose(batch)   ProposalBatch: the step, the caps, the token history
+                         cut              each request's drafts cut to its max_num_drafts
+
+Adaptive drafting (``pagelm.plugins.spec_decode.backoff``) withholds drafts from requests
+whose drafts keep being rejected; a step in which nobody drafts is plain decode again.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import numpy as np
+
+from pagelm.plugins.spec_decode.backoff import DraftBackoff
+from pagelm.plugins.spec_decode.rows import DraftRows
+from pagelm.spec_decode.proposer import FinishedStep, Proposer, RequestView, TargetPass
+
+_TARGET_FIELDS = tuple(f.name for f in fields(TargetPass))
+
+
+@dataclass(kw_only=True)
+class ProposalBatch(TargetPass):
+    """One step, as a ``DraftProposer`` sees it after verification: the target's pass
+    (``TargetPass``: for model-based proposers such as EAGLE, which read its hidden states
+    and write their own KV at its slots), how many drafts each request may get, and the
+    host-side token history. Row ``i`` is the ``i``-th request of the step's batch (every
+    scheduled request, also those that get no drafts)."""
+
+    req_ids: list[str]
+    # [n] at most this many drafts for request i; 0: none (unfinished prefill chunk, backed
+    # off after rejected drafts (adaptive drafting), or no room left before
+    # max_model_len / max_tokens). A proposer does no drafting work for such a request.
+    max_num_drafts: np.ndarray
+    # [n, width] int32, prompt + every accepted output token, zero padded (None unless the
+    # proposer sets ``uses_token_ids``); and [n] lengths.
+    token_ids: np.ndarray | None
+    num_tokens: np.ndarray
+    # [n] each request's ``SamplingParams.extra_args`` (per-request data for plugins; None
+    # where the request has none).
+    extra_args: list[dict[str, Any] | None] | None = None
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+class DraftProposer(Proposer):
+    """A proposer that implements ``propose(batch)``; the drafting around it is this class's."""
+
+    # Whether ``propose`` reads ``ProposalBatch.token_ids`` (a host token table is kept for it).
+    uses_token_ids: ClassVar[bool] = True
+
+    def __init__(self, config, target, device, dtype) -> None:
+        super().__init__(config, target, device, dtype)
+        spec = self.speculative
+        self.rows = DraftRows(config.max_num_seqs)
+        self.backoff = DraftBackoff(config.max_num_seqs, spec.backoff_after, spec.max_backoff_steps) if spec.adaptive else None
+
+    @abstractmethod
+    def propose(self, batch: ProposalBatch) -> list[list[int]]:
+        """Draft token ids for every request of ``batch``, in its order: at most
+        ``batch.max_num_drafts[i]`` for request ``i`` (``[]``: no drafts). Called once per
+        step, after verification, for every step (also those with nothing to draft, so a
+        draft model can keep its KV cache in step with the target's), unless
+        ``needs_every_step`` is False."""
+
+    def propose_step(self, step: FinishedStep) -> list[list[int]]:
+        rows, n = step.rows, step.num_reqs
+        fresh = self.rows.claim(step.requests)
+        if self.backoff is not None:
+            if fresh:
+                self.backoff.reset(fresh)
+            if step.num_drafts.any():  # what this step's verification accepted
+                self.backoff.observe(rows, step.num_drafts, np.maximum(step.num_sampled - 1, 0))
+        sampled = step.num_sampled > 0
+        max_drafts = self._backed_off(rows, np.where(sampled, self._room(step), 0), step.num_drafts, sampled)
+        if step.ahead or (not self.needs_every_step and not max_drafts.any()):
+            return [[] for _ in range(n)]
+        target = step.target
+        batch = ProposalBatch(
+            **{name: getattr(target, name) for name in _TARGET_FIELDS},
+            req_ids=[s.req_id for s in step.requests],
+            max_num_drafts=max_drafts,
+            token_ids=self.rows.history(step.requests, rows, step.num_tokens, step.max_model_len) if self.uses_token_ids else None,
+            num_tokens=step.num_tokens,
+            extra_args=[s.sampling_params.extra_args for s in step.requests],
+        )
+        proposal = self.propose(batch)
+        drafts = _cut(proposal, max_drafts)
+        if drafts is None:  # malformed: the engine rejects it with an error naming this proposer
+            return proposal
+        found = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=n)
+        self.rows.proposed[rows] = found
+        if self.backoff is not None:  # asked and found nothing: a miss, as a rejected draft is
+            empty = (max_drafts > 0) & (found == 0)
+            if empty.any():
+                self.backoff.observe_empty(rows[empty])
+        return drafts
+
+    def may_draft(self, requests: Sequence[RequestView]) -> bool:
+        """Conservative: a request new to its row, or near a limit, counts as one that may draft."""
+        if self.needs_every_step:
+            return True
+        backoff = self.backoff
+        if backoff is None:
+            return bool(requests)
+        rows = np.fromiter((s.row for s in requests), dtype=np.int64, count=len(requests))
+        if (backoff.resume_step[rows] <= backoff.step).any():
+            return True
+        return any(self.rows.is_new(s) for s in requests)
+
+    def _room(self, step: FinishedStep) -> np.ndarray:
+        """Drafts each request may take: k, fewer near max_model_len or max_tokens (all of
+        them plus the target's token must fit). A guided request's drafts are checked against
+        its grammar when the scheduler stores them."""
+        room = np.minimum(self.num_speculative_tokens, step.max_model_len - step.num_tokens - 1)
+        for i, s in enumerate(step.requests):
+            p = s.sampling_params
+            if p.max_tokens is not None:
+                room[i] = min(room[i], p.max_tokens - len(s.output_token_ids) - 1)
+        return np.maximum(room, 0)
+
+    def _backed_off(self, rows: np.ndarray, max_drafts: np.ndarray, num_drafts: np.ndarray, sampled) -> np.ndarray:
+        """``max_drafts`` capped by adaptive drafting, which first counts as misses the drafts
+        proposed last time that the scheduler dropped (no room)."""
+        if self.backoff is not None:
+            dropped = (self.rows.proposed[rows] > 0) & (num_drafts == 0) & sampled
+            if dropped.any():
+                self.backoff.observe_empty(rows[dropped])
+            max_drafts = self.backoff.cap(rows, max_drafts)
+        self.rows.proposed[rows] = 0
+        return max_drafts
+
+
+def _cut(drafts: Any, max_num_drafts: np.ndarray) -> list[list[int]] | None:
+    """Each request's drafts cut to its ``max_num_drafts``; None when ``drafts`` is not one
+    sequence of ids per request."""
+    try:
+        return [list(d[: int(m)]) for d, m in zip(drafts, max_num_drafts, strict=True)]
+    except (TypeError, ValueError):
+        return None
