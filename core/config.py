@@ -81,9 +81,10 @@ class EngineConfig:
     # each is a top-k over the vocabulary every step. -1: up to the vocabulary size.
     max_logprobs: int = 20
     # Scale-out, with vLLM's names: ranks that each hold a slice of every layer (tensor
-    # parallel), and the registered executor that starts the ranks beside the engine core's
-    # own (None: "uni" for one rank, "mp" for local processes otherwise). Collectives that
-    # wait longer than distributed_timeout seconds fail the step (a rank died).
+    # parallel), stages that each hold a run of layers (pipeline parallel), and the
+    # registered executor that starts the ranks beside the engine core's own (None: "uni"
+    # for one rank, "mp" for local processes otherwise). Collectives that wait longer than distributed_timeout seconds
+    # fail the step (a rank died).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -141,11 +142,11 @@ class EngineConfig:
             )
         if self.max_logprobs < -1:
             out.append(f"max_logprobs must be >= 0, or -1 for the vocabulary size, got {self.max_logprobs}")
-        if self.tensor_parallel_size < 1:
-            out.append(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        for name in ("pipeline_parallel_size", "data_parallel_size"):
-            if getattr(self, name) != 1:
-                out.append(f"{name} must be 1 (only tensor parallelism is implemented yet), got {getattr(self, name)}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.data_parallel_size != 1:
+            out.append(f"data_parallel_size must be 1 (data-parallel replicas are not built yet), got {self.data_parallel_size}")
         if not self.distributed_timeout > 0:
             out.append(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         # load_format names a registered model loader, looked up when the engine starts, as
@@ -155,7 +156,8 @@ class EngineConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        """Ranks of one engine: every stage's tensor-parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def executor_backend(self) -> str:

@@ -1,18 +1,25 @@
-"""Tensor-parallel state: which rank this process is, of how many, and the collectives the
-parallel layers call (``pagelm.models.parallel``).
+"""Parallel state: which rank this process is, of how many, and the collectives the parallel
+layers and the pipeline stages call (``pagelm.models.layers``, the model runner).
 
 One process per rank. Rank 0 runs the engine core (scheduler, KV cache manager and its own
 model runner); an executor (``pagelm.executor``) starts the others. Every rank holds the
 same config and runs the same runner calls in the same order, so its collectives meet the
 others' inside the model. Collectives go through ``torch.distributed``: NCCL on CUDA, gloo
-on the CPU (how CI tests tensor parallelism). With one rank nothing is initialised and the
+on the CPU (how CI tests scale-out). With one rank nothing is initialised and the
 collectives return their input.
+
+Ranks are laid out stage-major: rank ``r`` is tensor-parallel rank ``r % tp`` of pipeline
+stage ``r // tp``, so the ``tp`` ranks of a stage are neighbours (one host's GPUs) and rank
+0 is stage 0's first rank::
+
+    tp=2, pp=2:   stage 0: ranks 0 1  --hidden, residual-->  stage 1: ranks 2 3 (norm, LM head, sampling)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +29,28 @@ import torch.distributed as dist
 class ParallelState:
     tp_rank: int = 0
     tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    # The process group of this stage's tensor-parallel ranks (None: the default group,
+    # which is the same set when there is one stage).
+    tp_group: Any = None
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The rank whose sampled ids every rank takes: the last stage's first rank."""
+        return (self.pp_size - 1) * self.tp_size
 
 
 _state = ParallelState()
@@ -31,10 +60,14 @@ def parallel_state() -> ParallelState:
     return _state
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device, timeout: float) -> None:
-    """Join the ranks' process group (blocks until all ``world_size`` have joined); a
+def init_distributed(
+    rank: int, tp_size: int, pp_size: int, init_method: str, device: torch.device, timeout: float
+) -> None:
+    """Join the ranks' process group (blocks until all ``tp_size * pp_size`` have joined); a
     collective waiting longer than ``timeout`` seconds raises."""
     global _state
+    world_size = tp_size * pp_size
+    tp_group = None
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":  # a bare "cuda" (rank 0's default) is the current device
@@ -42,7 +75,13 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: torch
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
-    _state = ParallelState(tp_rank=rank, tp_size=world_size)
+        if pp_size > 1 and tp_size > 1:
+            # Every rank creates every group, in the same order (torch.distributed's rule).
+            for stage in range(pp_size):
+                group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
+                if stage == rank // tp_size:
+                    tp_group = group
+    _state = ParallelState(rank % tp_size, tp_size, rank // tp_size, pp_size, tp_group)
 
 
 def destroy_distributed() -> None:
@@ -53,16 +92,44 @@ def destroy_distributed() -> None:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of ``x`` over the ranks, in place."""
+    """The sum of ``x`` over this stage's tensor-parallel ranks, in place."""
     if _state.tp_size > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_state.tp_group)
     return x
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """The ranks' ``x`` concatenated along ``dim``, in rank order."""
+    """This stage's tensor-parallel ranks' ``x`` concatenated along ``dim``, in rank order."""
     if _state.tp_size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_state.tp_size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=_state.tp_group)
     return torch.cat(parts, dim=dim)
+
+
+# ---- pipeline stages ------------------------------------------------------------------------
+# A stage's output is a dict of named tensors (the model's "intermediate tensors": hidden
+# states and residual for the built-in models). Each rank sends to the rank of the same
+# tensor-parallel index in the next stage; the receiver knows the shapes from the model
+# (``make_empty_intermediate_tensors``) and the step's token count, so only data travels.
+
+
+def send_to_next_stage(tensors: dict[str, torch.Tensor]) -> None:
+    dst = _state.rank + _state.tp_size
+    for name in sorted(tensors):
+        dist.send(tensors[name].contiguous(), dst)
+
+
+def recv_from_previous_stage(empty: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fill ``empty`` (tensors of the right shapes) with the previous stage's output."""
+    src = _state.rank - _state.tp_size
+    for name in sorted(empty):
+        dist.recv(empty[name], src)
+    return empty
+
+
+def broadcast_from_last_stage(x: torch.Tensor) -> torch.Tensor:
+    """The last stage's ``x`` on every rank (the step's sampled ids: every runner keeps its
+    copy of each request's tokens in step, and rank 0's scheduler reads them)."""
+    dist.broadcast(x, _state.last_stage_rank)
+    return x

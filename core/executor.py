@@ -47,3 +47,9 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the other ranks (idempotent)."""
+
+
+def describe_rank(config: EngineConfig, rank: int) -> str:
+    """``rank 3 (tensor-parallel rank 1 of pipeline stage 1)``: how errors name a rank."""
+    tp = config.tensor_parallel_size
+    return f"rank {rank} (tensor-parallel rank {rank % tp} of pipeline stage {rank // tp})"

@@ -27,6 +27,7 @@ from pagelm.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from pagelm.models.pipeline import MissingLayer, empty_intermediate, held_by_this_stage, stage_layer_range
 from pagelm.models.weights import load_packed_weights
 
 
@@ -124,37 +125,66 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack; under pipeline parallelism this stage's slice of it. The first
+    stage embeds, the last one applies the final norm; the others take and return the
+    hidden states and residual (``intermediate_tensors``)."""
+
     def __init__(self, config, attention_cls: type[LlamaAttention]) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attention_cls) for i in range(config.num_hidden_layers)
+        state = parallel_state()
+        self.first, self.last = state.is_first_stage, state.is_last_stage
+        self.start, self.end = stage_layer_range(config.num_hidden_layers)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size) if self.first else MissingLayer()
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, attention_cls) if self.start <= i < self.end else MissingLayer()
+            for i in range(config.num_hidden_layers)
+        )
+        # A plain tuple (not a registered module): iterated every step without slicing.
+        self.stage_layers = tuple(self.layers[self.start : self.end])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.last else MissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: dict | None = None
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        if intermediate_tensors is None:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in self.stage_layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if not self.last:
+            return {"hidden_states": hidden_states, "residual": residual}
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
+    # Splits into pipeline stages (``forward`` takes and returns intermediate tensors).
+    supports_pipeline_parallel = True
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.attention_cls)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        last = self.model.last
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if last else MissingLayer()
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and last and self.model.first:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``input_ids``/``positions``: ``[num_tokens]``; returns ``[num_tokens, hidden]``."""
-        return self.model(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: dict | None = None
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """``input_ids``/``positions``: ``[num_tokens]``; returns ``[num_tokens, hidden]``, or
+        on a pipeline stage before the last the tensors the next stage takes."""
+        return self.model(input_ids, positions, intermediate_tensors)
+
+    def make_empty_intermediate_tensors(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> dict:
+        """Buffers the previous pipeline stage's output is received into."""
+        return empty_intermediate(num_tokens, self.config.hidden_size, dtype, device)
 
     def get_input_embeddings(self) -> nn.Module:
         """The token embedding (shared with an EAGLE draft head)."""
@@ -165,10 +195,23 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load Hugging Face checkpoint tensors; returns the parameter names filled."""
-        # Older checkpoints store rotary inv_freq buffers; a tied lm_head is the embedding.
-        skip = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tie_word_embeddings else ())
-        return load_packed_weights(self, weights, skip=skip)
+        """Load Hugging Face checkpoint tensors (this pipeline stage's); returns the
+        parameter names filled."""
+        m = self.model
+        # A tied LM head on a last stage that does not hold the embedding loads its own copy.
+        head_copies_embedding = self.tie_word_embeddings and m.last and not m.first
+
+        def stage_weights():
+            for name, tensor in weights:
+                # Older checkpoints store rotary inv_freq buffers; a tied lm_head is the embedding.
+                if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                    continue
+                if head_copies_embedding and name == "model.embed_tokens.weight":
+                    yield "lm_head.weight", tensor
+                elif held_by_this_stage(name, (m.start, m.end), m.first, m.last):
+                    yield name, tensor
+
+        return load_packed_weights(self, stage_weights())
 
 
 class MistralAttention(LlamaAttention):

@@ -34,7 +34,7 @@ _HELP = {
     "attention_backend": "registered attention backend name (see `pagelm plugins`) or auto",
     "load_format": "a registered model loader: auto, safetensors or dummy (random weights)",
     "tensor_parallel_size": "ranks that each hold a slice of every layer (one process each)",
-    "pipeline_parallel_size": "pipeline stages (only 1 yet)",
+    "pipeline_parallel_size": "pipeline stages, each holding a run of layers (one process per stage and tensor rank)",
     "data_parallel_size": "engine replicas (only 1 yet)",
     "distributed_executor_backend": "how ranks are started: uni (one), mp (local processes), or a registered executor",
     "distributed_timeout": "seconds a collective may wait for the other ranks before the step fails",

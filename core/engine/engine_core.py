@@ -138,13 +138,15 @@ class EngineCore:
             self.executor = None
 
     def _start_ranks(self, plugins, proposer_cls) -> Executor | None:
-        """Under tensor parallelism, the other ranks started by the configured executor and
+        """Under tensor or pipeline parallelism, the other ranks started by the configured executor and
         this process joined to them as rank 0 (None: one rank)."""
         config = self.config
         executor_cls = plugins.executors().get(config.executor_backend)
         problems = executor_cls.validate(config)
         if config.world_size > 1 and proposer_cls is not None:
-            problems.append("speculative decoding does not run under tensor parallelism yet")
+            problems.append("speculative decoding does not run under tensor or pipeline parallelism yet")
+        if config.pipeline_parallel_size > 1 and config.async_scheduling:
+            problems.append("async_scheduling does not run under pipeline parallelism yet")
         if problems:
             raise ValueError(f"distributed_executor_backend={config.executor_backend!r}: " + "; ".join(problems))
         if config.world_size == 1:
@@ -153,7 +155,10 @@ class EngineCore:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         executor.start(init_message(config, self.eos_token_ids, self.dtype, self.max_model_len), init_method)
         try:
-            init_distributed(0, config.world_size, init_method, self.device, config.distributed_timeout)
+            init_distributed(
+                0, config.tensor_parallel_size, config.pipeline_parallel_size, init_method, self.device,
+                config.distributed_timeout,
+            )
         except BaseException:
             executor.shutdown()
             raise
@@ -187,10 +192,12 @@ class EngineCore:
     def _use_cuda_graphs(self, backend_cls) -> bool:
         """Graphs need CUDA and a graph-safe backend. ``enforce_eager=False`` demands them, so
         a combination that cannot have them is an error rather than a silent fallback."""
-        possible = self.device.type == "cuda" and backend_cls.graph_support != GraphSupport.NEVER
+        pipeline = self.config.pipeline_parallel_size > 1  # stages send and receive mid-forward
+        possible = self.device.type == "cuda" and backend_cls.graph_support != GraphSupport.NEVER and not pipeline
         if self.config.enforce_eager is False and not possible:
             why = "they need a CUDA device" if self.device.type != "cuda" else (
-                f"attention backend {backend_cls.name!r} is not CUDA-graph safe"
+                "pipeline_parallel_size > 1 runs eagerly" if pipeline
+                else f"attention backend {backend_cls.name!r} is not CUDA-graph safe"
             )
             raise ValueError(f"enforce_eager=False asks for CUDA graphs, but {why}; leave enforce_eager unset or True")
         return possible and not self.config.enforce_eager
@@ -210,7 +217,8 @@ class EngineCore:
             return False
         if self.config.async_scheduling is not None:
             return self.config.async_scheduling
-        return use_cuda_graphs
+        # Pipeline stages hand each step's hidden states on as it runs: one step at a time.
+        return use_cuda_graphs and self.config.pipeline_parallel_size == 1
 
     def _max_model_len(self) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None)
@@ -270,6 +278,11 @@ class EngineCore:
         if self.executor is not None and request.sampling_params.guided_decoding is not None:
             raise ValueError(
                 f"request {request.request_id}: guided decoding does not run under tensor parallelism yet"
+            )
+        params = request.sampling_params
+        if self.config.pipeline_parallel_size > 1 and (params.logprobs is not None or params.prompt_logprobs is not None):
+            raise ValueError(
+                f"request {request.request_id}: logprobs and prompt_logprobs do not run under pipeline parallelism yet"
             )
         if request.max_tokens is not None and request.max_tokens < 1:
             raise ValueError(f"request {request.request_id}: max_tokens must be >= 1, got {request.max_tokens}")

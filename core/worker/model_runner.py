@@ -33,6 +33,7 @@ from pagelm.attention import (
     forward_context,
 )
 from pagelm.config import EngineConfig
+from pagelm.distributed import parallel_state
 from pagelm.kv_cache import cdiv
 from pagelm.kernels import fused_kernel
 from pagelm.sample import Sampler, SamplerOutput, SamplingMetadata
@@ -43,6 +44,7 @@ from pagelm.sampling_params import SamplingParams, num_logprobs
 from pagelm.sched.output import SchedulerOutput
 from pagelm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagelm.worker.input_buffers import InputBuffers
+from pagelm.worker.pipeline_stage import PipelineStage
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
 from pagelm.worker.pending_step import PLACEHOLDER_TOKEN, PendingStep, logprobs_lists
 from pagelm.worker.step_state import CachedRequestState, StepInputs, host_sync_point
@@ -86,6 +88,8 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
+        # Pipeline parallelism: this rank's stage (None: the whole model is here).
+        self.pipeline = PipelineStage(model, dtype, device) if parallel_state().pp_size > 1 else None
         # Speculative decoding (enable_speculative_decoding): verification and proposals.
         self.spec: SpecDecodeRunner | None = None
         # The last step launched, until it is finished: the next step reads its samples.
@@ -152,7 +156,8 @@ class ModelRunner:
                 top_k=torch.full((num_reqs,), 50, device=self.device),
                 top_p=torch.full((num_reqs,), 0.9, device=self.device),
             )
-            self.sampler(logits, md, self.generator)
+            if logits is not None:  # None: an earlier pipeline stage
+                self.sampler(logits, md, self.generator)
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
         finally:
@@ -253,7 +258,7 @@ class ModelRunner:
         pending = PendingStep(sched, req_ids, states, self._add_placeholders(states, starts, counts))
         pending.inputs, pending.hidden, pending.starts, pending.counts = step, hidden, starts, counts
         pending.logits, pending.sampling_metadata = logits, md
-        if logits.is_cuda:  # the race's noise needs no logit: queued now, with the forward pass
+        if logits is not None and logits.is_cuda:  # the race's noise needs no logit: queued now, with the forward pass
             pending.noise = self.sampler.draw_noise(logits, md, self.generator)
         self._in_flight = pending
         if not defer_sampling:
@@ -267,6 +272,11 @@ class ModelRunner:
         sched, step, md = pending.sched, pending.inputs, pending.sampling_metadata
         logits, pending.logits = pending.logits, None
         noise, pending.noise = pending.noise, None
+        if self.pipeline is not None:  # the last stage samples (no logprobs or grammars here)
+            ids = None if logits is None else self.sampler(logits, md, self.generator).sampled_token_ids
+            pending.copy_to_host(self.pipeline.share_samples(ids, len(pending.req_ids)), None, {})
+            pending.inputs = pending.hidden = None
+            return
         constrained = sched.structured_output_request_ids
         fusable = noise is not None and Sampler.race_fusable(md) and constrained in ([], pending.req_ids)
         race = fused_kernel("exponential_race") if fusable else None
@@ -364,7 +374,12 @@ class ModelRunner:
         else:
             attn_metadata = self.metadata_builder.build(step.common)
             with forward_context(ForwardContext(attn_metadata=attn_metadata)):
-                hidden = self.model(step.input_ids, step.positions)
+                if self.pipeline is None:
+                    hidden = self.model(step.input_ids, step.positions)
+                else:
+                    hidden = self.pipeline.forward(self.model, step.input_ids, step.positions)
+                    if hidden is None:  # an earlier stage: the next one has its output
+                        return (None, None) if return_hidden else None
         if logits_indices is not None:
             last_hidden = hidden[logits_indices]
         elif step.uniform_decode:

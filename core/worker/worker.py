@@ -1,5 +1,5 @@
-"""A rank other than 0 under tensor parallelism: its own model runner over its slice of the
-weights, driven by rank 0's messages (``pagelm.executor``).
+"""A rank other than 0 under tensor or pipeline parallelism: its own model runner over its
+slice of the weights (its heads of its stage's layers), driven by rank 0's messages (``pagelm.executor``).
 
 Rank 0 sends, in order: ``init`` (the config and what rank 0 decided while loading), then
 ``kv_cache`` / ``profile`` / ``graphs`` as it makes those runner calls, then one ``step`` per
@@ -39,9 +39,10 @@ def init_message(config: EngineConfig, eos_token_ids, dtype: torch.dtype, max_mo
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """Rank ``r``'s device: ``cuda:r`` on CUDA (rank 0 on the configured one), else the CPU."""
+    """Rank ``r``'s device: on CUDA the ``r``-th GPU from the configured one (rank 0's: a
+    data-parallel replica starts past the GPUs of the replicas before it), else the CPU."""
     device = config.resolved_device()
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
 
 
 def load_runner(config, hf_config, device, dtype, eos_token_ids, max_model_len) -> tuple[ModelRunner, list]:
@@ -64,7 +65,10 @@ def run_worker(message: bytes, rank: int, world_size: int, init_method: str, rec
     _, config_data, eos, dtype, max_model_len = msgpack.unpackb(message)
     config = EngineConfig(**config_data)
     device = rank_device(config, rank)
-    init_distributed(rank, world_size, init_method, device, config.distributed_timeout)
+    assert world_size == config.world_size
+    init_distributed(
+        rank, config.tensor_parallel_size, config.pipeline_parallel_size, init_method, device, config.distributed_timeout
+    )
     try:
         hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
         runner, _ = load_runner(config, hf_config, device, getattr(torch, dtype), frozenset(eos), max_model_len)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 
-from pagelm.executor import Executor
+from pagelm.executor import Executor, describe_rank
 from pagelm.worker.worker import run_worker
 
 
@@ -16,7 +16,10 @@ class UniExecutor(Executor):
     @classmethod
     def validate(cls, config) -> list[str]:
         if config.world_size > 1:
-            return [f"'uni' runs one rank; tensor_parallel_size={config.tensor_parallel_size} needs 'mp' (or 'ray')"]
+            return [
+                f"'uni' runs one rank; tensor_parallel_size={config.tensor_parallel_size} x pipeline_parallel_size="
+                f"{config.pipeline_parallel_size} needs 'mp' (or 'ray')"
+            ]
         return []
 
     def start(self, init_message: bytes, init_method: str) -> None:
@@ -55,7 +58,7 @@ class MultiprocessingExecutor(Executor):
     def send(self, message: bytes) -> None:
         for rank, (proc, pipe) in enumerate(zip(self._procs, self._pipes), start=1):
             if not proc.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {rank} is not running (exit code {proc.exitcode})")
+                raise RuntimeError(f"{describe_rank(self.config, rank)} is not running (exit code {proc.exitcode})")
             pipe.send_bytes(message)
 
     def shutdown(self) -> None:

@@ -1,0 +1,105 @@
+"""Pipeline parallelism on the CPU: stages are local processes (the ``mp`` executor) joined over
+gloo, each holding its run of decoder layers and their KV cache; hidden states and residual
+go from stage to stage. The oracle is the one-stage run: greedy token ids identical in float32
+for Llama, Qwen2 and Qwen3, combined with tensor parallelism over fewer key/value heads than
+ranks, and under chunked prefill, prefix caching and preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagelm import LLM, SamplingParams
+from pagelm.models.pipeline import MissingLayer, held_by_this_stage
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(n: int, length: int = 5) -> list[dict]:
+    return [{"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(length)]} for i in range(n)]
+
+
+def _ids(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _run(model_dir, prompts, params=GREEDY, **kw):
+    with LLM(str(model_dir), dtype="float32", **kw) as llm:
+        return _ids(llm, prompts, params)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_pp2_greedy_equals_one_stage(make_model, arch):
+    model_dir = make_model(arch, arch)
+    prompts = _prompts(4)
+    assert _run(model_dir, prompts, pipeline_parallel_size=2) == _run(model_dir, prompts)
+
+
+def test_tp2_x_pp2_over_one_kv_head_uneven_layers_and_a_tied_head(make_model):
+    # 4 ranks: 2 stages of 2 tensor-parallel ranks. One kv head for 2 ranks, 3 layers over 2
+    # stages (2 + 1), a tied LM head on a last stage that does not hold the embedding, and a
+    # vocabulary of 517 that does not split evenly.
+    model_dir = make_model(
+        "llama-pp-odd", "llama", num_key_value_heads=1, num_hidden_layers=3, vocab_size=517, tie_word_embeddings=True
+    )
+    prompts = _prompts(3)
+    with LLM(str(model_dir), dtype="float32", tensor_parallel_size=2, pipeline_parallel_size=2) as llm:
+        got = _ids(llm, prompts)
+        model = llm.engine.core.runner.model
+        layers = model.model.layers
+        # Rank 0 is stage 0: the embedding (its half of the vocabulary) and layers 0 and 1.
+        assert [isinstance(layer, MissingLayer) for layer in layers] == [False, False, True]
+        assert isinstance(model.lm_head, MissingLayer) and isinstance(model.model.norm, MissingLayer)
+        assert model.model.embed_tokens.weight.shape == (259, 64)
+        assert len(llm.engine.core.runner.kv_caches) == 2
+        assert layers[0].self_attn.attn.spec.num_kv_heads == 1
+    assert got == _run(model_dir, prompts)
+
+
+def test_chunked_prefill_prefix_caching_and_preemption_equal_the_plain_run(llama_dir):
+    shared = list(range(40, 72))
+    prompts = [{"prompt_token_ids": shared + [100 + i, 101, 102 + i]} for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = _run(llama_dir, prompts, params)
+    with LLM(str(llama_dir), dtype="float32", pipeline_parallel_size=2, num_kv_blocks=12, block_size=8,
+             max_num_batched_tokens=16, max_model_len=64) as llm:
+        got = _ids(llm, prompts, params)
+        core = llm.engine.core
+        assert core.scheduler.num_preemptions > 0 and core.kv_cache_manager.prefix_cache_stats.hits > 0
+        assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks
+        # What the last stage alone holds is refused, not answered wrongly.
+        with pytest.raises(ValueError, match="logprobs and prompt_logprobs do not run under pipeline parallelism"):
+            llm.generate(_prompts(1), SamplingParams(max_tokens=2, logprobs=2), use_tqdm=False)
+        # ...and the engine serves on.
+        assert len(_ids(llm, _prompts(1))[0]) == 10
+    assert got == plain
+
+
+def test_weights_are_assigned_to_stages_by_layer_index():
+    # Stage 1 of 2 over layers [2, 4): its layers, the final norm and the LM head.
+    held = [
+        name for name in [
+            "model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight", "model.layers.2.mlp.down_proj.weight",
+            "model.layers.3.self_attn.q_proj.weight", "model.layers.12.input_layernorm.weight", "model.norm.weight",
+            "lm_head.weight",
+        ]
+        if held_by_this_stage(name, (2, 4), first=False, last=True)
+    ]
+    assert held == [
+        "model.layers.2.mlp.down_proj.weight", "model.layers.3.self_attn.q_proj.weight", "model.norm.weight",
+        "lm_head.weight",
+    ]
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"pipeline_parallel_size": 3}, "pipeline_parallel_size=3 is more than the model's 2 layers"),
+        ({"pipeline_parallel_size": 2, "distributed_executor_backend": "uni"}, "'uni' runs one rank"),
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be >= 1"),
+    ],
+)
+def test_bad_pipeline_config_is_a_clear_error(llama_dir, kw, match):
+    with pytest.raises(Exception, match=match):
+        LLM(str(llama_dir), dtype="float32", **kw)
+    assert not torch.distributed.is_initialized()
