@@ -138,8 +138,8 @@ class EngineCore:
             self.executor = None
 
     def _start_ranks(self, plugins, proposer_cls) -> Executor | None:
-        """Under tensor or pipeline parallelism, the other ranks started by the configured executor and
-        this process joined to them as rank 0 (None: one rank)."""
+        """Under tensor or pipeline parallelism, the other ranks started by the configured executor
+        and this process joined to them as rank 0 (None: one rank)."""
         config = self.config
         executor_cls = plugins.executors().get(config.executor_backend)
         problems = executor_cls.validate(config)
