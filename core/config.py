@@ -81,13 +81,17 @@ class EngineConfig:
     # each is a top-k over the vocabulary every step. -1: up to the vocabulary size.
     max_logprobs: int = 20
     # Scale-out, with vLLM's names: ranks that each hold a slice of every layer (tensor
-    # parallel), stages that each hold a run of layers (pipeline parallel), and the
-    # registered executor that starts the ranks beside the engine core's own (None: "uni"
-    # for one rank, "mp" for local processes otherwise). Collectives that wait longer than distributed_timeout seconds
+    # parallel), stages that each hold a run of layers (pipeline parallel), whole engine
+    # replicas behind one API (data parallel), and the registered executor that starts the
+    # ranks beside the engine core's own (None: "uni" for one rank, "mp" for local
+    # processes otherwise). Collectives that wait longer than distributed_timeout seconds
     # fail the step (a rank died).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    # With data_parallel_size > 1: the registered router that picks each request's replica
+    # (built in: round_robin, least_loaded, prefix_affinity; see pagelm.router).
+    data_parallel_router: str = "least_loaded"
     distributed_executor_backend: str | None = None
     distributed_timeout: float = 300.0
     # Extra, plugin-specific settings (e.g. a policy's knobs) pass through untouched.
@@ -145,8 +149,8 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.data_parallel_size != 1:
-            out.append(f"data_parallel_size must be 1 (data-parallel replicas are not built yet), got {self.data_parallel_size}")
+        if self.data_parallel_size < 1:
+            out.append(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if not self.distributed_timeout > 0:
             out.append(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         # load_format names a registered model loader, looked up when the engine starts, as

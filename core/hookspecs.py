@@ -71,6 +71,14 @@ def pagelm_register_executors(registry: "Registry") -> None:
 
 
 @hookspec
+def pagelm_register_routers(registry: "Registry") -> None:
+    """Add data-parallel ``Router`` subclasses (``pagelm.router``): which engine replica
+    serves each new request; ``registry.add(name, router_cls)``, the name is what
+    ``data_parallel_router=`` selects (built in: ``round_robin``, ``least_loaded``,
+    ``prefix_affinity``)."""
+
+
+@hookspec
 def pagelm_register_tool_parsers(registry: "Registry") -> None:
     """Add ``ToolParser`` subclasses (``pagelm.tool_parser``): how the OpenAI server finds
     tool calls in a model's text; ``registry.add(name, parser_cls)``, the name is what

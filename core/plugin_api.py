@@ -37,7 +37,10 @@ from typing import Any
 # Proposer.propose_step(FinishedStep) and may_draft; propose(ProposalBatch), adaptive drafting
 # and the token history are pagelm.plugins.spec_decode.DraftProposer's (docs/plugins.md,
 # migration to the proposer contract version 2).
-PLUGIN_API_VERSION = "2.5"
+# 2.6 added the pagelm_register_routers hook (Router, keyed by data_parallel_router) and the
+# pipeline-parallel model interface (forward's intermediate_tensors,
+# make_empty_intermediate_tensors, supports_pipeline_parallel; optional).
+PLUGIN_API_VERSION = "2.6"
 PLUGIN_API_ATTRIBUTE = "PAGELM_PLUGIN_API"
 
 _VERSION_RE = re.compile(r"^(\d+)(?:\.(\d+))?$")

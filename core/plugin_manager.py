@@ -211,6 +211,9 @@ class PluginManager:
     def executors(self) -> Registry:
         return self._collect("executor")
 
+    def routers(self) -> Registry:
+        return self._collect("router")
+
     def tool_parsers(self) -> Registry:
         return self._collect("tool call parser")
 
@@ -258,6 +261,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
     from pagelm.attention.backend import AttentionBackend
     from pagelm.executor import Executor
     from pagelm.model_loader import ModelLoader
+    from pagelm.router import Router
     from pagelm.sched.policy import SchedulingPolicy
     from pagelm.spec_decode.proposer import Proposer
     from pagelm.stat_logger import StatLogger
@@ -272,6 +276,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
         "model architecture": ("pagelm_register_models", None),
         "model loader": ("pagelm_register_model_loaders", ModelLoader),
         "executor": ("pagelm_register_executors", Executor),
+        "router": ("pagelm_register_routers", Router),
         "tool call parser": ("pagelm_register_tool_parsers", ToolParser),
         "stat logger": ("pagelm_register_stat_loggers", StatLogger),
         "cli command": ("pagelm_register_cli_commands", None),

@@ -26,7 +26,7 @@ LAYERS = {
         "pagelm.spec_decode.proposer", "pagelm.spec_decode.config", "pagelm.spec_decode.stats",
         "pagelm.structured_output", "pagelm.worker.output", "pagelm.engine.core_output",
         "pagelm.sample.metadata", "pagelm.kv_cache.block_hash", "pagelm.model_loader", "pagelm.executor",
-        "pagelm.distributed", "pagelm.tool_parser", "pagelm.stat_logger",
+        "pagelm.distributed", "pagelm.tool_parser", "pagelm.stat_logger", "pagelm.router",
     ],
     2: [
         "pagelm.plugin_manager", "pagelm.kv_cache", "pagelm.sched", "pagelm.sample", "pagelm.kernels",

@@ -177,6 +177,9 @@ class _CoreProtocol(asyncio.Protocol):
 class MPCoreClient(CoreClient):
     """Starts ``python -m pagelm.engine.core_proc`` and waits until its model is loaded."""
 
+    # Each core its own process: data-parallel replicas may each have their own ranks.
+    runs_in_own_process = True
+
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
         super().__init__()
         self.eos_token_ids = eos_token_ids

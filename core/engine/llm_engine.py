@@ -13,6 +13,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from pagelm.config import EngineConfig
+from pagelm.engine.data_parallel import DataParallelCore
 from pagelm.engine.engine_core import EngineCore
 from pagelm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagelm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest, RequestState
@@ -38,7 +39,8 @@ def load_eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
 
 class LLMEngine:
     """``core_factory(config, eos_token_ids)`` builds the engine core: ``EngineCore`` itself
-    (offline), or a client of one running in a thread or another process (``AsyncLLM``)."""
+    (offline), or a client of one running in a thread or another process (``AsyncLLM``);
+    ``data_parallel_size`` of them behind a router with data parallelism."""
 
     def __init__(self, config: EngineConfig, core_factory: Callable[..., Any] = EngineCore) -> None:
         self.config = config
@@ -53,7 +55,7 @@ class LLMEngine:
         )
         eos = load_eos_token_ids(model_dir, self.tokenizer) if model_dir.is_dir() else frozenset()
         self.core_factory, self.eos_token_ids = core_factory, eos
-        self.core = core_factory(config, eos)
+        self.core = self._make_core()
         self.max_model_len = self.core.max_model_len
         self.vocab_size = self.core.vocab_size
         self.output_processor = OutputProcessor()
@@ -145,7 +147,14 @@ class LLMEngine:
         caller has failed them). Blocks while the new core loads the model."""
         self.core.shutdown()  # reaps the dead process
         self.output_processor = OutputProcessor()
-        self.core = self.core_factory(self.config, self.eos_token_ids)
+        self.core = self._make_core()
+
+    def _make_core(self):
+        """One engine core, or ``data_parallel_size`` of them behind a router."""
+        if self.config.data_parallel_size == 1:
+            return self.core_factory(self.config, self.eos_token_ids)
+        in_process = not getattr(self.core_factory, "runs_in_own_process", False)
+        return DataParallelCore(self.config, self.eos_token_ids, self.core_factory, in_process)
 
     def shutdown(self) -> None:
         self.core.shutdown()

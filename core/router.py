@@ -1,0 +1,50 @@
+"""The data-parallel router contract: which engine replica serves each new request.
+
+With ``data_parallel_size = N`` the API (``LLM``, ``AsyncLLM``, the server) runs N engine
+cores, each with its own scheduler and KV cache (and its own tensor/pipeline-parallel ranks).
+A request lives on one replica from admission to its last token; the router picks it, once
+per request, seeing each replica's load. Routers are plugins
+(``pagelm_register_routers``) selected by ``data_parallel_router``; built in are
+``round_robin``, ``least_loaded`` and ``prefix_affinity`` (``pagelm.plugins.routers``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from pagelm.config import EngineConfig
+    from pagelm.request import Request
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """What the router sees of one replica: the requests it holds that have not finished."""
+
+    num_unfinished: int
+    # Prompt tokens of those requests not yet through prefill (a rough measure of queued work).
+    num_pending_prompt_tokens: int
+
+
+class Router(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, config: EngineConfig, num_replicas: int) -> None:
+        self.config = config
+        self.num_replicas = num_replicas
+
+    @classmethod
+    def validate(cls, config: EngineConfig) -> list[str]:
+        """Problems with routing ``config`` (empty: none)."""
+        return []
+
+    @abstractmethod
+    def route(self, request: Request, loads: Sequence[ReplicaLoad]) -> int:
+        """The index (``0 .. num_replicas - 1``) of the replica that will serve ``request``.
+        Called once per request, in the API process, before it is queued."""
+
+    def request_finished(self, request_id: str, replica: int) -> None:
+        """``request_id`` has left ``replica`` (finished, aborted or failed). Optional."""
