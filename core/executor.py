@@ -8,8 +8,8 @@ runner calls rank 0 makes (KV cache, graphs, each step's ``SchedulerOutput``), e
 msgpack by the core. The ranks' collectives then meet inside the model.
 
 Executors are plugins (``pagelm_register_executors``) selected by
-``distributed_executor_backend``: built in are ``uni`` (one rank, nothing to start) and
-``mp`` (local processes).
+``distributed_executor_backend``: built in are ``uni`` (one rank, nothing to start),
+``mp`` (local processes) and ``ray`` (actors in a Ray placement group, across nodes).
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from pagelm.config import EngineConfig
+
+
+class RankDiedError(RuntimeError):
+    """A rank is no longer running: no step can succeed until the ranks are started again
+    (the core loop stops, its host reports the engine dead, ``AsyncLLM`` restarts it)."""
 
 
 class Executor(ABC):
@@ -32,6 +37,12 @@ class Executor(ABC):
         """Problems with running ``config`` on this executor (empty: none)."""
         return []
 
+    def rendezvous_host(self) -> str:
+        """The address of this host that the other ranks reach to join ``torch.distributed``
+        (rank 0 listens there). Local executors keep the loopback; a multi-node one returns
+        this node's address."""
+        return "127.0.0.1"
+
     @abstractmethod
     def start(self, init_message: bytes, init_method: str) -> None:
         """Start every other rank: ``run_worker(init_message, rank, world_size, init_method,
@@ -42,7 +53,12 @@ class Executor(ABC):
     @abstractmethod
     def send(self, message: bytes) -> None:
         """Deliver ``message`` to every other rank, after the ones sent before; raise
-        ``RuntimeError`` naming a rank that is no longer running."""
+        ``RankDiedError`` naming a rank that is no longer running."""
+
+    def check_ranks(self) -> None:
+        """Raise ``RankDiedError`` naming a rank that is no longer running (called after a
+        step failed, to say whether a rank's death was why; waits briefly for a rank that
+        is dying). Default: nothing known."""
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from pagelm.engine.core_output import ENGINE_FAULT, EngineCoreOutput
 from pagelm.engine.engine_core import EngineCore
+from pagelm.executor import RankDiedError
 from pagelm.request import Request
 from pagelm.sampling_params import SamplingParams
 from pagelm.worker.output import LogprobsLists
@@ -110,10 +111,11 @@ def run_core_loop(
             failures = 0
         except Exception as exc:
             # One bad step fails the requests in the engine, not the engine: the next ones
-            # are served. Several in a row mean the engine itself is broken (a dead device):
+            # are served. Several in a row, or a rank that died, mean the engine itself is
+            # broken (a dead device):
             # then the loop stops and its host reports the engine dead (and may restart it).
             failures += 1
-            if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            if failures >= MAX_CONSECUTIVE_STEP_FAILURES or isinstance(exc, RankDiedError):
                 raise
             logger.exception("an engine step failed; failing the %d requests in the engine", len(core.scheduler.requests))
             outputs = core.fail_all(f"{ENGINE_FAULT}: {type(exc).__name__}: {exc}")

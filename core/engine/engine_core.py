@@ -152,7 +152,8 @@ class EngineCore:
         if config.world_size == 1:
             return None
         executor = executor_cls(config)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        host = executor.rendezvous_host()
+        init_method = f"tcp://{host}:{_free_port(host)}"
         executor.start(init_message(config, self.eos_token_ids, self.dtype, self.max_model_len), init_method)
         try:
             init_distributed(
@@ -318,6 +319,17 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Run a step; return the outputs of the steps finished meanwhile: this one (synchronous),
         the previous one (async), or both (async, when this one must run synchronously)."""
+        if self.executor is None:
+            return self._step()
+        try:
+            return self._step()
+        except Exception:
+            # A collective that failed because a rank died says only "connection closed":
+            # name the rank instead (the RuntimeError chains the original).
+            self.executor.check_ranks()
+            raise
+
+    def _step(self) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         if self._in_flight is not None and self.runner.may_draft_next():
             # Speculative decoding: the drafts of the step about to be scheduled come from the
@@ -375,8 +387,8 @@ class EngineCore:
         self.plugins.notify("pagelm_engine_shutdown", engine=self)
 
 
-def _free_port() -> int:
-    """A TCP port free on this host now, for the ranks' rendezvous."""
+def _free_port(host: str) -> int:
+    """A TCP port free on ``host`` (this host's address) now, for the ranks' rendezvous."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]

@@ -57,14 +57,18 @@ def load_runner(config, hf_config, device, dtype, eos_token_ids, max_model_len) 
     return runner, layers
 
 
-def run_worker(message: bytes, rank: int, world_size: int, init_method: str, recv: Callable[[], bytes]) -> None:
+def run_worker(
+    message: bytes, rank: int, world_size: int, init_method: str, recv: Callable[[], bytes],
+    device: torch.device | None = None,
+) -> None:
     """A rank's whole life: join the group, load, then serve rank 0's messages until
-    ``shutdown`` (or until ``recv`` raises ``EOFError``: rank 0 is gone)."""
+    ``shutdown`` (or until ``recv`` raises ``EOFError``: rank 0 is gone). ``device``: where
+    the executor placed the rank (default ``rank_device``: the ``rank``-th GPU of this host)."""
     from transformers import AutoConfig
 
     _, config_data, eos, dtype, max_model_len = msgpack.unpackb(message)
     config = EngineConfig(**config_data)
-    device = rank_device(config, rank)
+    device = rank_device(config, rank) if device is None else device
     assert world_size == config.world_size
     init_distributed(
         rank, config.tensor_parallel_size, config.pipeline_parallel_size, init_method, device, config.distributed_timeout
@@ -90,7 +94,7 @@ def run_worker(message: bytes, rank: int, world_size: int, init_method: str, rec
             else:
                 raise ValueError(f"rank {rank}: unknown message {kind!r}")
     except Exception:
-        logger.exception("pagelm rank %d failed; it stops (rank 0's collectives will time out)", rank)
+        logger.exception("pagelm rank %d failed; it stops (rank 0 names it when its next step fails)", rank)
         raise
     finally:
         destroy_distributed()

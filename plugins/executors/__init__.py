@@ -1,7 +1,9 @@
-"""The built-in executors: ``uni`` (one rank) and ``mp`` (the other ranks as local processes)."""
+"""The built-in executors: ``uni`` (one rank), ``mp`` (the other ranks as local processes)
+and ``ray`` (the other ranks as Ray actors, across nodes; needs ``pagelm[ray]``)."""
 
 from pagelm import hookimpl
 from pagelm.plugins.executors.mp import MultiprocessingExecutor, UniExecutor
+from pagelm.plugins.executors.ray_executor import RayExecutor
 
 PAGELM_PLUGIN_API = "2.6"
 
@@ -10,3 +12,4 @@ PAGELM_PLUGIN_API = "2.6"
 def pagelm_register_executors(registry) -> None:
     registry.add("uni", UniExecutor)
     registry.add("mp", MultiprocessingExecutor)
+    registry.add("ray", RayExecutor)

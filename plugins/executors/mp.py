@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 
-from pagelm.executor import Executor, describe_rank
+from pagelm.executor import Executor, RankDiedError, describe_rank
 from pagelm.worker.worker import run_worker
 
 
@@ -56,10 +56,20 @@ class MultiprocessingExecutor(Executor):
             self._pipes.append(send_end)
 
     def send(self, message: bytes) -> None:
-        for rank, (proc, pipe) in enumerate(zip(self._procs, self._pipes), start=1):
-            if not proc.is_alive():
-                raise RuntimeError(f"{describe_rank(self.config, rank)} is not running (exit code {proc.exitcode})")
+        self._raise_if_dead(wait=0)
+        for pipe in self._pipes:
             pipe.send_bytes(message)
+
+    def check_ranks(self) -> None:
+        self._raise_if_dead(wait=2.0)
+
+    def _raise_if_dead(self, wait: float) -> None:
+        """``wait``: seconds each rank may take to finish exiting (its sockets closed first)."""
+        for rank, proc in enumerate(self._procs, start=1):
+            if wait:
+                proc.join(timeout=wait)
+            if not proc.is_alive():
+                raise RankDiedError(f"{describe_rank(self.config, rank)} is not running (exit code {proc.exitcode})")
 
     def shutdown(self) -> None:
         for pipe in self._pipes:
