@@ -114,10 +114,11 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # (``make_empty_intermediate_tensors``) and the step's token count, so only data travels.
 
 
-def send_to_next_stage(tensors: dict[str, torch.Tensor]) -> None:
+def send_to_next_stage(tensors: dict[str, torch.Tensor]) -> list:
+    """Start sending (non-blocking: this stage goes on with the next micro-batch); returns
+    the work handles, to wait on (and keep the tensors alive) until the step is finished."""
     dst = _state.rank + _state.tp_size
-    for name in sorted(tensors):
-        dist.send(tensors[name].contiguous(), dst)
+    return [(dist.isend(tensors[name].contiguous(), dst), tensors[name]) for name in sorted(tensors)]
 
 
 def recv_from_previous_stage(empty: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

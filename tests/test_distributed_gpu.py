@@ -52,3 +52,32 @@ def test_real_shape_bf16_pp2_identical_and_tp2_first_divergence(make_model):
     divergence = [_first_divergence(a, b) for a, b in zip(one, tp)]
     print(f"bf16 qwen3-0.6b shapes, TP=2 vs TP=1: first diverging position per prompt {divergence}")
     assert all(d == -1 or d >= 1 for d in divergence)
+
+
+def test_two_gpus_data_parallel_replicas_in_processes_equal_one(make_model):
+    """The server's path: each replica's engine core in its own process, on its own GPU."""
+    import asyncio
+
+    from pagelm.engine.async_llm import AsyncLLM
+
+    model_dir = make_model("gpu2_llama", "llama")
+
+    async def run(engine):
+        async def one(prompt, request_id):
+            ids = []
+            async for out in engine.generate(prompt, GREEDY, request_id):
+                ids += out.outputs[0].token_ids
+            return ids
+
+        return list(await asyncio.gather(*(one(p, f"r{i}") for i, p in enumerate(PROMPTS))))
+
+    loop = asyncio.new_event_loop()
+    engine = AsyncLLM.from_model(
+        str(model_dir), device="cuda", dtype="float32", gpu_memory_utilization=0.3, data_parallel_size=2
+    )
+    try:
+        got = loop.run_until_complete(run(engine))
+    finally:
+        engine.shutdown()
+        loop.close()
+    assert got == _run(model_dir, "float32")

@@ -6,6 +6,8 @@ ranks, and under chunked prefill, prefix caching and preemption."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -73,6 +75,50 @@ def test_chunked_prefill_prefix_caching_and_preemption_equal_the_plain_run(llama
         # ...and the engine serves on.
         assert len(_ids(llm, _prompts(1))[0]) == 10
     assert got == plain
+
+
+def test_random_arrivals_aborts_and_preemptions_with_two_batches_in_flight_equal_the_plain_run(llama_dir):
+    """The oracle is the one-stage run of each request alone; the pipelined engine sees
+    requests arrive at random steps, some aborted mid-way, a KV pool small enough to
+    preempt, 16-token chunks, and two micro-batches in flight."""
+    rng = random.Random(17)
+    prompts = {f"r{i}": [rng.randrange(3, 500) for _ in range(rng.randrange(3, 40))] for i in range(14)}
+    params = {rid: SamplingParams(max_tokens=rng.randrange(1, 20), temperature=0.0, ignore_eos=True) for rid in prompts}
+    with LLM(str(llama_dir), dtype="float32") as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts.values()], list(params.values()), use_tqdm=False)
+        plain = dict(zip(prompts, _ids_of(outs)))
+    with LLM(str(llama_dir), dtype="float32", pipeline_parallel_size=2, num_kv_blocks=14, block_size=8,
+             max_num_batched_tokens=16, max_model_len=64) as llm:
+        engine, core = llm.engine, llm.engine.core
+        overlapped = []
+        launch = core.runner.launch
+
+        def counting_launch(sched, **kw):
+            if not sched.is_empty:  # steps already in flight with work in them
+                overlapped.append(sum(p.output is None for p in core._batch_queue))
+            return launch(sched, **kw)
+
+        core.runner.launch = counting_launch
+        arriving, aborted, finished = list(prompts), set(), {}
+        while arriving or engine.has_unfinished_requests():
+            for _ in range(rng.choice([0, 0, 1, 2])):
+                if arriving:
+                    rid = arriving.pop(0)
+                    engine.add_request(rid, {"prompt_token_ids": prompts[rid]}, params[rid])
+            running = [r for r in core.scheduler.requests if r not in aborted]
+            if running and rng.random() < 0.08:
+                victim = rng.choice(running)
+                engine.abort_request([victim])
+                aborted.add(victim)
+            finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        assert core.scheduler.num_preemptions > 0 and max(overlapped) == 1 and aborted
+        assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks
+    assert set(finished) == set(prompts) - aborted
+    assert finished == {rid: plain[rid] for rid in finished}
+
+
+def _ids_of(outs):
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_weights_are_assigned_to_stages_by_layer_index():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -93,6 +94,9 @@ class EngineCore:
         # Async scheduling: the step launched and not finished yet (possibly not yet sampled:
         # a guided step's sampling waits for its grammars, ``PendingStep.awaits_sampling``).
         self._in_flight: PendingStep | None = None
+        # Pipeline parallelism: up to pipeline_parallel_size steps launched and not finished,
+        # oldest first (None without pipeline parallelism).
+        self._batch_queue: deque[PendingStep] | None = deque() if config.pipeline_parallel_size > 1 else None
         logger.info(
             "pagelm engine: %s on %s/%s, %d KV blocks of %d tokens, backend=%s, policy=%s, cuda_graphs=%s, "
             "async_scheduling=%s, speculative=%s",
@@ -303,6 +307,8 @@ class EngineCore:
         rather than a hang, every block goes back to the pool, and the prefix cache, which
         may name blocks whose KV was never written, is emptied. The loop serves on."""
         self._in_flight = None
+        if self._batch_queue is not None:
+            self._batch_queue.clear()
         self.runner.drop_in_flight()
         failed = self.scheduler.fail_all()
         self.kv_cache_manager.pool.reset_prefix_cache()
@@ -313,7 +319,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or a step in flight whose outputs ``step()`` has yet to return."""
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._batch_queue)
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -322,7 +328,7 @@ class EngineCore:
         if self.executor is None:
             return self._step()
         try:
-            return self._step()
+            return self._step() if self._batch_queue is None else self._step_pipelined()
         except Exception:
             # A collective that failed because a rank died says only "connection closed":
             # name the rank instead (the RuntimeError chains the original).
@@ -361,6 +367,28 @@ class EngineCore:
             outputs += self._finish(self._in_flight)
             self._in_flight = None
         return outputs + self._finish(self.runner.launch(sched_out))
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Pipeline parallelism: launch a step over the requests not already in flight, and
+        finish the oldest step once ``pipeline_parallel_size`` are in flight or nothing more
+        could be scheduled; the stages work on different steps meanwhile. Every rank is told
+        to launch and to finish in this order (``pagelm.worker.pipeline_stage``)."""
+        queue = self._batch_queue
+        if len(queue) < self.config.pipeline_parallel_size:
+            sched_out = self.scheduler.schedule()
+            if sched_out.scheduled_new_reqs:
+                now = time.time()
+                for new in sched_out.scheduled_new_reqs:
+                    self._first_scheduled.setdefault(new.req_id, now)
+            self._on_other_ranks("step", encode_scheduler_output(sched_out))
+            queue.append(self.runner.launch(sched_out, defer_sampling=True))
+            if not sched_out.is_empty and len(queue) < self.config.pipeline_parallel_size:
+                return []
+        self._on_other_ranks("finish")
+        pending = queue.popleft()
+        if pending.output is None:  # every rank takes part in the broadcast of its ids
+            self.runner.sample(pending)
+        return self._finish(pending)
 
     def _finish(self, pending: PendingStep) -> list[EngineCoreOutput]:
         """Wait for a launched step's tokens and account for them: stop checks, outputs, freed

@@ -71,6 +71,10 @@ class Scheduler:
         self.spec_decoding_stats = SpecDecodingStats()
         # Preemptions in a row without a new token after which a request is no longer a victim.
         self.max_stalled_preemptions = config.max_stalled_preemptions
+        # Pipeline parallelism keeps several steps in flight, each over requests of its own: a
+        # request whose sampled token is still in flight waits for it (nobody could feed it
+        # to the first stage) instead of riding on a placeholder as with async scheduling.
+        self.await_samples = config.pipeline_parallel_size > 1
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -170,8 +174,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if req.num_output_placeholders and self._placeholders_reach_limit(req):
-                continue  # its token in flight is its last: never schedule past max_tokens
+            if req.num_output_placeholders and (self.await_samples or self._placeholders_reach_limit(req)):
+                continue  # its token in flight is its last (never past max_tokens), or its input
             # Drafts ride after the known tokens; a short budget trims them first.
             num_new = self._num_new_tokens(req, req.num_computed_tokens, step.budget, len(req.spec_token_ids))
             partial = req.num_computed_tokens + num_new < req.num_tokens_with_placeholders
@@ -192,8 +196,10 @@ class Scheduler:
         ``max_num_seqs``) the policy may name a running request to preempt for it."""
         while len(self.waiting) and step.budget > 0:
             req = self.waiting.peek()
-            if req.request_id in out.preempted_req_ids:
-                break  # it gave way this very step; taking it back now would only thrash
+            if req.request_id in out.preempted_req_ids or req.num_output_placeholders:
+                # It gave way this very step (taking it back now would only thrash), or with
+                # several steps in flight (pipeline) one of them still owes it a token.
+                break
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             num_new = self._num_new_tokens(req, num_hit_tokens, step.budget)
             partial = num_hit_tokens + num_new < req.num_tokens

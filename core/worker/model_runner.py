@@ -215,6 +215,8 @@ class ModelRunner:
     def drop_in_flight(self) -> None:
         """Forget the step in flight (a step failed: its requests are being failed)."""
         self._in_flight = None
+        if self.pipeline is not None:
+            self.pipeline.reset()
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> PendingStep:
@@ -260,7 +262,9 @@ class ModelRunner:
         pending.logits, pending.sampling_metadata = logits, md
         if logits is not None and logits.is_cuda:  # the race's noise needs no logit: queued now, with the forward pass
             pending.noise = self.sampler.draw_noise(logits, md, self.generator)
-        self._in_flight = pending
+        # Pipeline stages keep several steps in flight, over requests of their own: none feeds
+        # another, each is sampled when the engine finishes it.
+        self._in_flight = pending if self.pipeline is None else None
         if not defer_sampling:
             self.sample(pending)
         return pending

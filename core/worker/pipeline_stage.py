@@ -9,8 +9,16 @@ Every rank runs every step (the same ``SchedulerOutput``) one stage after the ot
        +---------------- broadcast of the sampled ids to every rank -------+
 
 The last stage's ids reach rank 0's scheduler and keep each runner's copy of the requests'
-tokens in step. One batch is in flight at a time: the stages run in turn, they do not yet
-overlap on micro-batches.
+tokens in step. Up to ``pipeline_parallel_size`` steps (micro-batches, each over requests of
+its own) are in flight, so the stages work at once::
+
+    stage 0:  | A | B | A'| B'|          every rank launches and finishes steps in rank 0's
+    stage 1:      | A | B | A'| B'|      order ("step", "finish" messages): sends are
+                                          non-blocking, the broadcast of A's ids comes after B
+                                          is launched everywhere
+
+A request takes part in one step at a time (the scheduler's ``await_samples``): its next
+token's input is the id the last stage samples.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ class PipelineStage:
         state = parallel_state()
         self.is_first, self.is_last = state.is_first_stage, state.is_last_stage
         self.dtype, self.device = dtype, device
+        # Sends to the next stage not yet known complete, oldest step first.
+        self._sends: list[list] = []
 
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """This stage's part of the forward pass: the hidden states on the last stage, None on
@@ -46,11 +56,19 @@ class PipelineStage:
         out = model(input_ids, positions, intermediate)
         if self.is_last:
             return out
-        send_to_next_stage(out)
+        self._sends.append(send_to_next_stage(out))
         return None
 
     def share_samples(self, sampled: torch.Tensor | None, num_reqs: int) -> torch.Tensor:
-        """The last stage's sampled ids (``sampled`` there, None elsewhere) on every rank."""
+        """The last stage's sampled ids of the oldest step in flight (``sampled`` there, None
+        elsewhere) on every rank."""
+        if self._sends:  # that step's output has reached the next stage by now
+            for work, _ in self._sends.pop(0):
+                work.wait()
         if sampled is None:
             sampled = torch.empty(num_reqs, dtype=torch.long, device=self.device)
         return broadcast_from_last_stage(sampled.long())
+
+    def reset(self) -> None:
+        """Forget the sends of failed steps."""
+        self._sends.clear()

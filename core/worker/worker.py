@@ -3,7 +3,8 @@ slice of the weights (its heads of its stage's layers), driven by rank 0's messa
 
 Rank 0 sends, in order: ``init`` (the config and what rank 0 decided while loading), then
 ``kv_cache`` / ``profile`` / ``graphs`` as it makes those runner calls, then one ``step`` per
-step with the ``SchedulerOutput``, and ``shutdown``. A rank runs each step as rank 0 does
+step with the ``SchedulerOutput`` (under pipeline parallelism also a ``finish`` when rank 0
+finishes the oldest step in flight), and ``shutdown``. A rank runs each step as rank 0 does
 and samples the same tokens (same logits after the gather, same seeds), which keeps its
 runner's copy of every request's tokens in step; only rank 0's are returned. Messages are
 msgpack, never pickle.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
 from collections.abc import Callable
 
 import msgpack
@@ -26,6 +28,7 @@ from pagelm.plugin_manager import get_plugin_manager
 from pagelm.sampling_params import SamplingParams
 from pagelm.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagelm.worker.model_runner import ModelRunner
+from pagelm.worker.pending_step import PendingStep
 
 logger = logging.getLogger("pagelm")
 
@@ -76,6 +79,8 @@ def run_worker(
     try:
         hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
         runner, _ = load_runner(config, hf_config, device, getattr(torch, dtype), frozenset(eos), max_model_len)
+        # Pipeline parallelism: the steps launched and not finished, oldest first.
+        in_flight = deque() if config.pipeline_parallel_size > 1 else None
         while True:
             try:
                 kind, *args = msgpack.unpackb(recv(), strict_map_key=False)
@@ -83,8 +88,12 @@ def run_worker(
                 return
             if kind == "shutdown":
                 return
-            if kind == "step":
+            if kind == "step" and in_flight is None:
                 runner.finish(runner.launch(decode_scheduler_output(args[0])))
+            elif kind == "step":  # pipeline: launched now, finished by its own message
+                in_flight.append(runner.launch(decode_scheduler_output(args[0]), defer_sampling=True))
+            elif kind == "finish":
+                finish_pipelined(runner, in_flight.popleft())
             elif kind == "kv_cache":
                 runner.initialize_kv_cache(args[0])
             elif kind == "profile":
@@ -98,6 +107,14 @@ def run_worker(
         raise
     finally:
         destroy_distributed()
+
+
+def finish_pipelined(runner: ModelRunner, pending: PendingStep):
+    """Finish a step launched with its sampling deferred (pipeline parallelism): every rank
+    takes part in the broadcast of its sampled ids, then reads them."""
+    if pending.output is None:
+        runner.sample(pending)
+    return runner.finish(pending)
 
 
 # ---- SchedulerOutput on the wire ------------------------------------------------------------
