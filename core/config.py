@@ -40,6 +40,14 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
     scheduling_policy: str = "fcfs"
+    # A second KV tier in host memory (pagelm.kv_offload): swap_space GiB of it (vLLM's name;
+    # 0 = off), or num_cpu_blocks blocks; kv_offload names the registered tier (built in:
+    # "cpu"). preemption_mode: "recompute" frees a victim's blocks, "swap" copies them to the
+    # tier when it has room, "auto" whichever costs less per victim (recompute without a tier).
+    swap_space: float = 0.0
+    num_cpu_blocks: int | None = None
+    kv_offload: str = "cpu"
+    preemption_mode: str = "auto"
     # Progress whatever the policy does: a request preempted this many times in a row
     # without producing a token is no longer a victim until it finishes.
     max_stalled_preemptions: int = 8
@@ -134,6 +142,7 @@ class EngineConfig:
             out.append(
                 f"long_prefill_token_threshold must be >= 0 (0 = off), got {self.long_prefill_token_threshold}"
             )
+        out.extend(self._kv_offload_problems())
         if self.max_stalled_preemptions < 1:
             out.append(f"max_stalled_preemptions must be >= 1, got {self.max_stalled_preemptions}")
         if self.max_num_partial_prefills < 1:
@@ -157,6 +166,23 @@ class EngineConfig:
         # speculative_config is checked when the engine starts, after its method is looked up
         # among the registered proposers (EngineCore._proposer_class).
         return out
+
+    def _kv_offload_problems(self) -> list[str]:
+        out = []
+        if not self.swap_space >= 0:
+            out.append(f"swap_space must be >= 0 GiB (0 = no CPU tier), got {self.swap_space}")
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
+            out.append(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            out.append(f"preemption_mode must be 'auto', 'swap' or 'recompute', got {self.preemption_mode!r}")
+        elif self.preemption_mode == "swap" and not self.kv_offload_enabled:
+            out.append("preemption_mode='swap' needs a CPU tier: set swap_space (GiB) > 0 or num_cpu_blocks > 0")
+        return out
+
+    @property
+    def kv_offload_enabled(self) -> bool:
+        """Whether the engine has a second KV tier (``swap_space`` or ``num_cpu_blocks``)."""
+        return bool(self.num_cpu_blocks) if self.num_cpu_blocks is not None else self.swap_space > 0
 
     @property
     def world_size(self) -> int:

@@ -93,6 +93,13 @@ def pagelm_register_stat_loggers(registry: "Registry") -> None:
 
 
 @hookspec
+def pagelm_register_kv_offload(registry: "Registry") -> None:
+    """Add ``KVOffload`` subclasses (``pagelm.kv_offload``): a second KV tier behind the GPU
+    pool, for swap preemption and prefix spill; ``registry.add(name, offload_cls)``, the name
+    is what ``kv_offload=`` selects when ``swap_space`` > 0 (built in: ``cpu``)."""
+
+
+@hookspec
 def pagelm_register_kernels(registry: "Registry") -> None:
     """Name the fused kernels behind the core's ops, sampler and decode graphs:
     ``registry.add("rms_norm", "pkg.module:function")``. The reference is imported on first

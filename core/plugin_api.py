@@ -40,7 +40,9 @@ from typing import Any
 # 2.6 added the pagelm_register_routers hook (Router, keyed by data_parallel_router) and the
 # pipeline-parallel model interface (forward's intermediate_tensors,
 # make_empty_intermediate_tensors, supports_pipeline_parallel; optional).
-PLUGIN_API_VERSION = "2.6"
+# 2.7 added the pagelm_register_kv_offload hook (KVOffload: a CPU tier for swap preemption
+# and prefix spill, keyed by kv_offload) and SchedulerOutput.kv_transfers.
+PLUGIN_API_VERSION = "2.7"
 PLUGIN_API_ATTRIBUTE = "PAGELM_PLUGIN_API"
 
 _VERSION_RE = re.compile(r"^(\d+)(?:\.(\d+))?$")

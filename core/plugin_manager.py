@@ -220,6 +220,9 @@ class PluginManager:
     def stat_loggers(self) -> Registry:
         return self._collect("stat logger")
 
+    def kv_offloads(self) -> Registry:
+        return self._collect("kv offload")
+
     def cli_commands(self) -> Registry:
         return self._collect("cli command")
 
@@ -260,6 +263,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
     # The contract modules themselves, not their packages (which import the engine parts).
     from pagelm.attention.backend import AttentionBackend
     from pagelm.executor import Executor
+    from pagelm.kv_offload import KVOffload
     from pagelm.model_loader import ModelLoader
     from pagelm.router import Router
     from pagelm.sched.policy import SchedulingPolicy
@@ -279,6 +283,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
         "router": ("pagelm_register_routers", Router),
         "tool call parser": ("pagelm_register_tool_parsers", ToolParser),
         "stat logger": ("pagelm_register_stat_loggers", StatLogger),
+        "kv offload": ("pagelm_register_kv_offload", KVOffload),
         "cli command": ("pagelm_register_cli_commands", None),
         "kernel": ("pagelm_register_kernels", None),
     }

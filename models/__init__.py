@@ -8,7 +8,7 @@ from pagelm.models.loader import DummyLoader, SafetensorsLoader
 from pagelm.models.qwen2 import Qwen2ForCausalLM
 from pagelm.models.qwen3 import Qwen3ForCausalLM
 
-PAGELM_PLUGIN_API = "2.6"
+PAGELM_PLUGIN_API = "2.7"
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagelm.engine.core_loop import SchedulerStats
 from pagelm.engine.core_output import EngineCoreOutput
 from pagelm.engine.iteration_stats import FinishedRequestStats, IterationStats
+from pagelm.kv_offload import KVOffloadStats
 from pagelm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest, RequestState
 from pagelm import hookimpl
 from pagelm.config import EngineConfig
@@ -331,3 +332,28 @@ def test_a_stat_logger_that_fails_to_start_fails_the_engine_and_shuts_its_core_d
         pm.unregister("test-fails")
     [core_proc] = started  # the engine core's process was shut down, not left to the garbage
     assert core_proc.poll() == 0  # collector's finalizer (which terminates it: -SIGTERM)
+
+
+def test_cpu_tier_metrics_count_copies_bytes_hits_and_usage():
+    m = prometheus(block_size=4)
+    start = KVOffloadStats(num_blocks=10, num_free_blocks=10, block_bytes=1024)
+    m.record(SchedulerStats(num_free_blocks=8, num_kv_blocks=8, kv_offload=start))
+    later = KVOffloadStats(num_blocks=10, num_free_blocks=6, block_bytes=1024, blocks_swapped_out=5,
+                           blocks_swapped_in=3, num_swap_preemptions=1, hit_blocks=2, num_swapped_requests=1)
+    m.record(SchedulerStats(num_free_blocks=8, num_kv_blocks=8, kv_offload=later))
+    s = samples(m)
+    assert s["vllm:cpu_cache_usage_perc"] == pytest.approx(0.4) and s["vllm:num_requests_swapped"] == 1
+    assert s["pagelm:num_cpu_blocks"] == 10 and s["pagelm:num_free_cpu_blocks"] == 6
+    assert s["pagelm:kv_blocks_swapped_out_total"] == 5 and s["pagelm:kv_blocks_swapped_in_total"] == 3
+    assert s["pagelm:kv_bytes_swapped_out_total"] == 5 * 1024 and s["pagelm:kv_bytes_swapped_in_total"] == 3 * 1024
+    assert s["pagelm:num_swap_preemptions_total"] == 1
+    assert s["pagelm:cpu_prefix_cache_hits_total"] == 2 * 4  # tokens: 2 blocks of 4
+
+
+def test_scheduler_stats_with_a_cpu_tier_cross_the_process_boundary():
+    import msgpack
+
+    from pagelm.engine.core_loop import decode_stats, encode_stats
+
+    stats = SchedulerStats(num_running=2, kv_offload=KVOffloadStats(num_blocks=10, blocks_swapped_out=3, hit_blocks=1))
+    assert decode_stats(msgpack.unpackb(msgpack.packb(encode_stats(stats)))) == stats

@@ -141,7 +141,7 @@ def test_declared_api_version_is_recorded(tmp_path, monkeypatch):
         warnings.simplefilter("error")  # a declaring plugin loads without a warning
         pm.load_entry_points()
     assert pm.loaded["pagelm_lifo"].api_version == "2.0"
-    assert pm.loaded["fcfs"].api_version == PLUGIN_API_VERSION == "2.6"
+    assert pm.loaded["fcfs"].api_version == PLUGIN_API_VERSION == "2.7"
 
 
 def test_plugin_for_another_major_api_is_rejected_naming_both_versions(tmp_path, monkeypatch):

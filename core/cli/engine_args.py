@@ -24,6 +24,11 @@ _HELP = {
     "num_kv_blocks": "KV cache blocks (default: sized from memory)",
     "gpu_memory_utilization": "fraction of GPU memory pagelm may use",
     "cpu_kv_cache_space": "bytes of KV cache on CPU when num_kv_blocks is unset",
+    "swap_space": "GiB of host memory per GPU for the CPU tier of the KV cache (swap preemption, prefix spill; "
+    "0 = none)",
+    "num_cpu_blocks": "blocks in the CPU tier of the KV cache (default: sized from --swap-space)",
+    "kv_offload": "registered KV offload tier name (see `pagelm plugins`)",
+    "preemption_mode": "auto (swap a victim to the CPU tier where copying is cheaper), swap or recompute",
     "max_model_len": "longest sequence (prompt + output); default from config.json",
     "max_num_seqs": "most requests in one step",
     "max_num_batched_tokens": "most tokens in one step",

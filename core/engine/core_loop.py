@@ -21,6 +21,7 @@ from typing import Any
 from pagelm.engine.core_output import ENGINE_FAULT, EngineCoreOutput
 from pagelm.engine.engine_core import EngineCore
 from pagelm.executor import RankDiedError
+from pagelm.kv_offload import KVOffloadStats
 from pagelm.request import Request
 from pagelm.sampling_params import SamplingParams
 from pagelm.worker.output import LogprobsLists
@@ -53,6 +54,8 @@ class SchedulerStats:
     spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     # Exceptions plugins' lifecycle hooks raised (caught; see PluginManager.notify).
     num_plugin_errors: int = 0
+    # The second KV tier (pagelm.kv_offload; all 0 without one): its state and totals.
+    kv_offload: KVOffloadStats = field(default_factory=KVOffloadStats)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -75,6 +78,7 @@ class SchedulerStats:
             spec.num_accepted_tokens,
             list(spec.num_accepted_tokens_per_pos),
             core.plugins.num_hook_errors,
+            kv.offload.stats() if kv.offload is not None else KVOffloadStats(),
         )
 
 
@@ -192,4 +196,5 @@ def encode_stats(stats: SchedulerStats) -> list:
 
 
 def decode_stats(data: list) -> SchedulerStats:
-    return SchedulerStats(*data)
+    *fields, offload = data
+    return SchedulerStats(*fields, KVOffloadStats(*offload))

@@ -63,6 +63,7 @@ class EngineCore:
             raise ValueError(f"scheduling_policy={config.scheduling_policy!r}: " + "; ".join(problems))
         proposer_cls = self._proposer_class(plugins)
         loader = plugins.model_loaders().get(config.load_format)
+        self.offload_cls = self._kv_offload_class(plugins)
 
         config.model = loader.resolve(config.model)  # a hub id becomes its local snapshot
         path = Path(config.model)
@@ -79,7 +80,9 @@ class EngineCore:
             self._stop_ranks()
             raise
         self.block_hasher = make_block_hasher(config.block_size)
-        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            self.num_kv_blocks, config.block_size, config.enable_prefix_caching, self._kv_offload_tier()
+        )
         self.async_scheduling = self._use_async_scheduling(use_cuda_graphs, proposer_cls)
         # Guided decoding: the plugin's manager; the runner gets bitmasks through the scheduler.
         self.structured_output = None if structured_output_cls is None else structured_output_cls.make_manager(
@@ -130,6 +133,11 @@ class EngineCore:
             )
         self._on_other_ranks("kv_cache", self.num_kv_blocks)
         self.runner.initialize_kv_cache(self.num_kv_blocks)
+        self.num_cpu_blocks = 0
+        if self.offload_cls is not None:
+            self.num_cpu_blocks = self._num_cpu_blocks()
+            self._on_other_ranks("kv_offload", self.num_cpu_blocks)
+            self.runner.initialize_kv_offload(self.offload_cls, self.num_cpu_blocks)
         if use_cuda_graphs:
             self._on_other_ranks("graphs")
             self.runner.capture_cuda_graphs()
@@ -193,6 +201,33 @@ class EngineCore:
         if problems:
             raise ValueError(f"speculative_config (method={spec.method!r}): " + "; ".join(problems))
         return proposer_cls
+
+    def _kv_offload_class(self, plugins):
+        """The registered second KV tier ``kv_offload`` names, checked (None: no tier)."""
+        if not self.config.kv_offload_enabled:
+            return None
+        offload_cls = plugins.kv_offloads().get(self.config.kv_offload)
+        problems = offload_cls.validate(self.config)
+        if problems:
+            raise ValueError(f"kv_offload={self.config.kv_offload!r}: " + "; ".join(problems))
+        return offload_cls
+
+    def _num_cpu_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_cpu_blocks is not None:
+            return cfg.num_cpu_blocks
+        return int(cfg.swap_space * 2**30 // self._block_bytes())
+
+    def _block_bytes(self) -> int:
+        """One KV block of every layer on this rank."""
+        return sum(c.numel() * c.element_size() for c in self.runner.kv_caches) // self.num_kv_blocks
+
+    def _kv_offload_tier(self):
+        if self.offload_cls is None:
+            return None
+        # A token's forward pass: about two flops per weight (all ranks' slices).
+        num_params = sum(p.numel() for p in self.runner.model.parameters()) * self.config.world_size
+        return self.offload_cls.make_tier(self.config, self.num_cpu_blocks, self._block_bytes(), 2.0 * num_params)
 
     def _use_cuda_graphs(self, backend_cls) -> bool:
         """Graphs need CUDA and a graph-safe backend. ``enforce_eager=False`` demands them, so
@@ -312,6 +347,8 @@ class EngineCore:
         self.runner.drop_in_flight()
         failed = self.scheduler.fail_all()
         self.kv_cache_manager.pool.reset_prefix_cache()
+        if self.kv_cache_manager.offload is not None:
+            self.kv_cache_manager.offload.reset()
         self._first_scheduled.clear()
         for req in failed:
             self.plugins.notify("pagelm_request_finished", request=req, reason="error")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pagelm.kv_cache.block_hash import BlockHash
 
@@ -81,6 +81,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # Told of each prefix-cache block evicted for reuse (a KV tier spills it; None: dropped).
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -98,6 +100,8 @@ class BlockPool:
         out = []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
+            if self.on_evict is not None and self.cached_blocks.get(block.block_hash) is block:
+                self.on_evict(block.block_id, block.block_hash)
             self._evict(block)
             assert block.ref_cnt == 0
             block.ref_cnt = 1

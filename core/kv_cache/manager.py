@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagelm.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pagelm.kv_offload import KVOffloadTier
 from pagelm.request import Request
 
 
@@ -30,9 +31,15 @@ class KVCacheManager:
     """Maps requests to blocks. The scheduler asks ``get_computed_blocks`` at admission and
     ``allocate_slots`` every step; ``None`` from ``allocate_slots`` means "no room", and the
     scheduler preempts. After every request has finished or been aborted, all blocks are free.
+
+    With a second tier (``offload``, see ``pagelm.kv_offload``) a prefix lookup that misses
+    on the GPU goes on in the tier, blocks the pool evicts are spilled to it, and a preempted
+    request may be swapped out to it (``swap_out``) and loaded back at its next admission.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, offload: KVOffloadTier | None = None
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -40,6 +47,9 @@ class KVCacheManager:
         # How many of a request's blocks are already registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        self.offload = offload
+        if offload is not None and enable_caching:
+            self.pool.on_evict = offload.spill
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -59,7 +69,15 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request, in whole blocks. Stops at the first miss.
         At least the last token is always left to compute (its logits are needed). The
-        scheduler records the lookup in ``prefix_cache_stats`` once the request is admitted."""
+        scheduler records the lookup in ``prefix_cache_stats`` once the request is admitted.
+
+        With a tier the count goes on past the GPU hits with blocks the tier holds, which
+        ``allocate_slots`` loads; a swapped-out request's computed tokens all come from the
+        tier (they are its own: no lookup)."""
+        if self.offload is not None:
+            num_swapped = self.offload.num_swapped_tokens(request.request_id)
+            if num_swapped:
+                return [], num_swapped
         if not self.enable_caching or request.skip_prefix_cache:
             return [], 0
         # A full hit still recomputes the last token: look up at most num_tokens - 1 tokens.
@@ -70,7 +88,10 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        num_tier_hits = 0
+        if self.offload is not None and len(hits) < max_blocks:
+            num_tier_hits = self.offload.count_hits(request.block_hashes[len(hits) : max_blocks])
+        return hits, (len(hits) + num_tier_hits) * self.block_size
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(
@@ -79,18 +100,23 @@ class KVCacheManager:
         num_new_tokens: int,
         num_lookahead_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int | None = None,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` (plus speculative lookahead slots) after the
         request's computed tokens, taking ``new_computed_blocks`` (prefix hits) first::
 
-            | computed | new_computed (hits) | new tokens | lookahead |
+            | computed | new_computed (hits) | loaded (tier) | new tokens | lookahead |
                                              ^ slots allocated here
 
+        ``num_new_computed_tokens`` (``get_computed_blocks``' count) may exceed the GPU hits:
+        the rest is in the tier and is copied into the first new blocks before the step.
         Returns the newly allocated blocks, or None (nothing changed) if the pool is short.
         """
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_hit = len(new_computed_blocks) * self.block_size
+        num_loaded = 0 if num_new_computed_tokens is None else num_new_computed_tokens - num_hit
+        num_computed = request.num_computed_tokens + num_hit + num_loaded
         num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
         # Hits that sit in the free queue stop being allocatable once we take them.
@@ -103,6 +129,9 @@ class KVCacheManager:
         self.pool.touch(new_computed_blocks)
         req_blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        if num_loaded:
+            num_load_blocks = cdiv(num_loaded, self.block_size)
+            self.offload.load(request, len(req_blocks), [b.block_id for b in new_blocks[:num_load_blocks]])
         req_blocks.extend(new_blocks)
 
         if self.enable_caching and not request.skip_prefix_cache:
@@ -134,8 +163,31 @@ class KVCacheManager:
         self.num_cached_blocks[request.request_id] = first
         return self.pool.uncache_blocks(blocks[first:done])
 
+    def swap_out(self, request: Request, force: bool) -> bool:
+        """Preempt by swapping: the tier keeps the KV of the request's computed tokens and
+        its GPU blocks are freed; ``get_computed_blocks`` then counts those tokens as its hits.
+        False (nothing changed): no tier, no room, or (unless ``force``) recomputing is cheaper."""
+        num_tokens = request.num_computed_tokens
+        if self.offload is None or num_tokens == 0:
+            return False
+        blocks = self.req_to_blocks.get(request.request_id, [])[: cdiv(num_tokens, self.block_size)]
+        if not self.offload.swap_out(request.request_id, blocks, num_tokens, force):
+            return False
+        self._free_gpu(request)
+        return True
+
+    def take_transfers(self):
+        """This step's copies between the tiers (``SchedulerOutput.kv_transfers``)."""
+        return None if self.offload is None else self.offload.take_transfers()
+
     def free(self, request: Request) -> None:
-        """Return the request's blocks, tail first so the shared prefix is evicted last."""
+        """Return the request's blocks, tail first so the shared prefix is evicted last (and
+        its swapped-out blocks in the tier, if any)."""
+        self._free_gpu(request)
+        if self.offload is not None:
+            self.offload.free(request.request_id)
+
+    def _free_gpu(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))

@@ -34,6 +34,22 @@ class CachedRequestData:
     num_computed_tokens: int
 
 
+@dataclass(slots=True)
+class KVTransfers:
+    """One step's block copies, run before its forward pass in this order::
+
+        swap_out: GPU block -> tier block    (victims' blocks, spilled prefix blocks)
+        swap_in:  tier block -> GPU block    (resumed requests, prefix hits in the tier)
+
+    Out first: a GPU block freed by a swap-out may be the destination of a swap-in."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block_id, tier_block_id)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (tier_block_id, gpu_block_id)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in)
+
+
 @dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -58,6 +74,9 @@ class SchedulerOutput:
     # Speculative decoding: {req_id: draft token ids} verified this step. They are the last
     # tokens of the request's ``num_scheduled_tokens``, after its known tokens.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Block copies between the GPU pool and the second KV tier, run before the forward pass
+    # (None: none, always without a tier; see pagelm.kv_offload).
+    kv_transfers: KVTransfers | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -207,7 +207,7 @@ class Scheduler:
                 break
             if len(self.running) < self.config.max_num_seqs:
                 lookahead = self._num_lookahead(req, num_hit_tokens + num_new, partial)
-                if self.kv.allocate_slots(req, num_new, lookahead, new_computed_blocks=hits) is not None:
+                if self.kv.allocate_slots(req, num_new, lookahead, hits, num_hit_tokens) is not None:
                     self._admit(req, num_hit_tokens, out)
                     step.book(req, num_new, partial, out)
                     continue
@@ -260,6 +260,7 @@ class Scheduler:
             if samples:
                 req.num_output_placeholders += 1
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.kv_transfers = self.kv.take_transfers()
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
         self._unupdated_steps.append((out, scheduled))
 
@@ -297,9 +298,11 @@ class Scheduler:
                 return None
 
     def _preempt(self, req: Request, out: SchedulerOutput, step: "_StepState") -> None:
-        """Recompute preemption: free the blocks, forget the progress, queue it again. A token
-        still in flight keeps its placeholder: ``update_from_output`` appends it, and the
-        request recomputes it with the rest when it is admitted again.
+        """Free the victim's GPU blocks and queue it again. Swapped (``preemption_mode`` swap,
+        or auto where copying is cheaper) its computed tokens' KV waits in the second tier and
+        is loaded back when it is admitted; recomputed it forgets its progress. A token still
+        in flight keeps its placeholder: ``update_from_output`` appends it, and the request
+        computes it with the rest when it is admitted again.
 
         A request booked earlier in this step registered the blocks its chunk fills in the
         prefix cache; nobody writes them now, so they leave the cache, and a request admitted
@@ -307,9 +310,11 @@ class Scheduler:
         self.running.remove(req)
         step.unbook(req, out)
         unwritten = self.kv.uncache_unwritten(req)
-        self.kv.free(req)
+        mode = self.config.preemption_mode
+        if mode == "recompute" or not self.kv.swap_out(req, force=mode == "swap"):
+            self.kv.free(req)
+        req.num_computed_tokens = 0  # a swapped one's count is the tier's, until it is loaded back
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.num_preemptions += 1
         self._count_stall(req)

@@ -35,6 +35,7 @@ from pagelm.attention import (
 from pagelm.config import EngineConfig
 from pagelm.distributed import parallel_state
 from pagelm.kv_cache import cdiv
+from pagelm.kv_offload import KVCopier, KVOffload
 from pagelm.kernels import fused_kernel
 from pagelm.sample import Sampler, SamplerOutput, SamplingMetadata
 from pagelm.sample.bitmask import apply_token_bitmask, upload_bitmask
@@ -85,6 +86,8 @@ class ModelRunner:
         self.metadata_builder = backend.make_metadata_builder(device)
         self.metadata_builder.configure(config)
         self.kv_caches: list[torch.Tensor] = []
+        # The second KV tier's copies (pagelm.kv_offload; None: no tier, nothing per step).
+        self.kv_copier: KVCopier | None = None
         self.cuda_graphs: CudaGraphRunner | None = None
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
@@ -119,6 +122,13 @@ class ModelRunner:
             layer.layer_idx, layer.impl, layer.kv_cache = idx, self.backend.make_impl(spec), cache
             self.kv_caches.append(cache)
         self.metadata_builder.bind_layers([layer.spec for layer in self._kv_layers()], self.dtype)
+
+    def initialize_kv_offload(self, offload_cls: type[KVOffload], num_blocks: int) -> None:
+        """The second KV tier's memory on this rank, shaped like the GPU cache, and its copier."""
+        spec = self._kv_layers()[0].spec
+        shapes = [self.backend.get_kv_cache_shape(n, self.block_size, spec.num_kv_heads, spec.head_dim) for n in (1, 2)]
+        block_dim = next(d for d, (a, b) in enumerate(zip(*shapes)) if a != b)
+        self.kv_copier = offload_cls.make_copier(self.config, num_blocks, self.kv_caches, block_dim)
 
     def _release_kv_cache(self) -> None:
         for layer in self._kv_layers():
@@ -226,6 +236,8 @@ class ModelRunner:
         ``defer_sampling``: stop after the forward pass; ``sample`` queues the rest (guided
         requests under async scheduling, whose bitmask waits for the previous step)."""
         self._update_states(sched)
+        if self.kv_copier is not None:  # copies between the tiers first (also in an empty step)
+            self.kv_copier.before_step(sched)
         req_ids = list(sched.num_scheduled_tokens)
         if not req_ids:
             return PendingStep.done(sched, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))

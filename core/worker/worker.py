@@ -24,6 +24,7 @@ from pagelm.attention import attention_layers
 from pagelm.attention.selector import select_attention_backend
 from pagelm.config import EngineConfig
 from pagelm.distributed import destroy_distributed, init_distributed
+from pagelm.kv_offload import KVTransfers
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.sampling_params import SamplingParams
 from pagelm.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -98,6 +99,8 @@ def run_worker(
                 runner.initialize_kv_cache(args[0])
             elif kind == "profile":
                 runner.profile_run()
+            elif kind == "kv_offload":
+                runner.initialize_kv_offload(get_plugin_manager().kv_offloads().get(config.kv_offload), args[0])
             elif kind == "graphs":
                 runner.capture_cuda_graphs()
             else:
@@ -130,11 +133,12 @@ def encode_scheduler_output(s: SchedulerOutput) -> list:
         [[r.req_id, r.new_block_ids, r.num_computed_tokens] for r in s.scheduled_cached_reqs],
         list(s.num_scheduled_tokens.items()), s.total_num_scheduled_tokens,
         sorted(s.finished_req_ids), sorted(s.preempted_req_ids), s.needs_previous_tokens,
+        None if s.kv_transfers is None else [s.kv_transfers.swap_out, s.kv_transfers.swap_in],
     ]
 
 
 def decode_scheduler_output(data: list) -> SchedulerOutput:
-    new, cached, num_scheduled, total, finished, preempted, needs_previous = data
+    new, cached, num_scheduled, total, finished, preempted, needs_previous, transfers = data
     return SchedulerOutput(
         scheduled_new_reqs=[
             NewRequestData(req_id, prompt, output, SamplingParams(**params), blocks, computed, prompt_lp)
@@ -146,4 +150,5 @@ def decode_scheduler_output(data: list) -> SchedulerOutput:
         finished_req_ids=set(finished),
         preempted_req_ids=set(preempted),
         needs_previous_tokens=needs_previous,
+        kv_transfers=None if transfers is None else KVTransfers(*([tuple(p) for p in pairs] for pairs in transfers)),
     )

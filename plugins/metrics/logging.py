@@ -1,6 +1,6 @@
 """The ``logging`` stat logger: every ``log_stats_interval`` seconds one line with the
 prompt and generation throughput, running/waiting requests, KV cache usage, prefix cache hit
-rate and speculative decoding's acceptance; quiet while the engine is idle."""
+rate, speculative decoding's acceptance and the CPU tier's usage; quiet while the engine is idle."""
 
 from __future__ import annotations
 
@@ -54,6 +54,9 @@ class LoggingStatLogger(StatLogger):
                 f", spec decode: mean acceptance length {1 + accepted / drafts:.2f}, "
                 f"acceptance rate {100 * accepted / drafted:.1f}%"
             )
+        tier = stats.kv_offload
+        if tier.num_blocks:
+            spec_line += f", CPU KV cache usage: {100 * tier.usage:.1f}%, swapped: {tier.num_swapped_requests} reqs"
         logger.info(
             "prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, running: %d reqs, "
             "waiting: %d reqs, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%%s",

@@ -23,6 +23,7 @@ from prometheus_client.utils import floatToGoString
 from pagelm.config import EngineConfig
 from pagelm.engine.core_loop import SchedulerStats
 from pagelm.engine.iteration_stats import FinishedRequestStats, IterationStats
+from pagelm.kv_offload import KVOffloadStats
 from pagelm.stat_logger import StatLogger
 
 # vLLM V1's buckets (vllm/v1/metrics/loggers.py).
@@ -167,6 +168,30 @@ class PrometheusStatLogger(StatLogger):
             "pagelm:plugin_errors", "Exceptions raised by plugins' lifecycle hooks (caught and logged)."
         )
         self.engine_restarts = counter("pagelm:engine_restarts", "Engine cores started in place of a dead one.")
+        self._define_kv_offload_metrics()
+
+    def _define_kv_offload_metrics(self) -> None:
+        """The CPU tier of the KV cache (swap_space; all zero without one): vLLM 0's names
+        for its usage and swapped requests, pagelm's for the copies and tier hits."""
+        gauge, counter = self._gauge, self._counter
+        self.cpu_cache_usage_perc = gauge("vllm:cpu_cache_usage_perc", "CPU KV-cache usage. 1 means 100 percent usage.")
+        self.num_requests_swapped = gauge("vllm:num_requests_swapped", "Number of requests swapped to CPU.")
+        self.num_cpu_blocks = gauge("pagelm:num_cpu_blocks", "KV cache blocks in the CPU tier in total.")
+        self.num_free_cpu_blocks = gauge("pagelm:num_free_cpu_blocks", "Free KV cache blocks in the CPU tier.")
+        self.kv_blocks_swapped_out = counter(
+            "pagelm:kv_blocks_swapped_out", "KV blocks copied GPU -> CPU tier (swap preemption and prefix spill)."
+        )
+        self.kv_blocks_swapped_in = counter(
+            "pagelm:kv_blocks_swapped_in", "KV blocks copied CPU tier -> GPU (swapped-in requests and prefix hits)."
+        )
+        self.kv_bytes_swapped_out = counter("pagelm:kv_bytes_swapped_out", "Bytes of KV copied GPU -> CPU tier.")
+        self.kv_bytes_swapped_in = counter("pagelm:kv_bytes_swapped_in", "Bytes of KV copied CPU tier -> GPU.")
+        self.num_swap_preemptions = counter(
+            "pagelm:num_swap_preemptions", "Preemptions that swapped the victim to the CPU tier (of vllm:num_preemptions)."
+        )
+        self.cpu_prefix_cache_hits = counter(
+            "pagelm:cpu_prefix_cache_hits", "Prefix cache hits served from the CPU tier, in tokens (of vllm:prefix_cache_hits)."
+        )
 
     def _define_token_metrics(self, token_buckets: list[int]) -> None:
         """Token counts, per step and per request, and requests by how they finished."""
@@ -271,6 +296,8 @@ class PrometheusStatLogger(StatLogger):
         self.plugin_errors.inc(stats.num_plugin_errors - last.num_plugin_errors)
         if stats.spec_num_drafts != last.spec_num_drafts:
             self._record_spec_decode(stats, last)
+        if stats.kv_offload.num_blocks:
+            self._record_kv_offload(stats.kv_offload, last.kv_offload)
         if step is not None:
             self._record_iteration(step)
 
@@ -306,6 +333,19 @@ class PrometheusStatLogger(StatLogger):
         self.request_decode_time.observe(f.decode_time)
         self.request_inference_time.observe(f.inference_time)
         self.request_time_per_output_token.observe(f.mean_time_per_output_token)
+
+    def _record_kv_offload(self, tier: KVOffloadStats, last: KVOffloadStats) -> None:
+        self.cpu_cache_usage_perc.set(tier.usage)
+        self.num_requests_swapped.set(tier.num_swapped_requests)
+        self.num_cpu_blocks.set(tier.num_blocks)
+        self.num_free_cpu_blocks.set(tier.num_free_blocks)
+        out, into = tier.blocks_swapped_out - last.blocks_swapped_out, tier.blocks_swapped_in - last.blocks_swapped_in
+        self.kv_blocks_swapped_out.inc(out)
+        self.kv_blocks_swapped_in.inc(into)
+        self.kv_bytes_swapped_out.inc(out * tier.block_bytes)
+        self.kv_bytes_swapped_in.inc(into * tier.block_bytes)
+        self.num_swap_preemptions.inc(tier.num_swap_preemptions - last.num_swap_preemptions)
+        self.cpu_prefix_cache_hits.inc((tier.hit_blocks - last.hit_blocks) * self.config.block_size)
 
     def _record_spec_decode(self, stats: SchedulerStats, last: SchedulerStats) -> None:
         self.spec_decode_num_drafts.inc(stats.spec_num_drafts - last.spec_num_drafts)

@@ -13,7 +13,7 @@ from pagelm import hookimpl
 from pagelm.request import Request
 from pagelm.sched.policy import SchedulingPolicy
 
-PAGELM_PLUGIN_API = "2.6"
+PAGELM_PLUGIN_API = "2.7"
 
 
 class PriorityPolicy(SchedulingPolicy):
