@@ -54,7 +54,8 @@ class KVOffloadStats:
 
 class KVOffloadTier(ABC):
     """The scheduler's view of the tier: which tier block holds which KV, and the copies that
-    follow from its decisions. Called by ``KVCacheManager`` inside ``schedule()`` only."""
+    follow from its decisions. Called by ``KVCacheManager``, in the scheduler's thread: inside
+    ``schedule()``, and ``free`` when a request ends."""
 
     @property
     @abstractmethod

@@ -165,6 +165,19 @@ def test_hook_pagelm_register_kv_offload(llama_dir, plain):
     assert SchedulerStats.of(core).kv_offload.blocks_swapped_in > 0  # what the metrics read
 
 
+def test_swap_under_tensor_parallelism_gives_the_one_rank_tokens(llama_dir, plain):
+    """Each rank holds its slice of the tier; the copies reach rank 1 with the step."""
+    llm = LLM(str(llama_dir), device="cpu", max_model_len=MAX_MODEL_LEN, block_size=BS, num_kv_blocks=30,
+              num_cpu_blocks=64, preemption_mode="swap", tensor_parallel_size=2)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        stats = llm.engine.core.kv_cache_manager.offload.stats()
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == plain
+    assert stats.num_swap_preemptions > 0 and stats.blocks_swapped_in > 0
+
+
 # ---- aborts ----------------------------------------------------------------------------------
 
 
@@ -304,3 +317,49 @@ def test_random_add_abort_step_keeps_both_pools_consistent(ops, num_blocks, num_
     sched.schedule()  # settles the last step's copies
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
     assert sched.kv.offload.num_free_blocks == sched.kv.offload.pool.num_blocks
+
+
+# ---- CUDA: pinned host tier, copies on a side stream -----------------------------------------
+
+
+@pytest.mark.gpu
+def test_swap_and_spill_on_cuda_give_the_unpreempted_tokens_without_host_syncs(llama_dir):
+    """CUDA graphs and async scheduling on: swap-outs and spills overlap the forward pass on
+    the side stream, swap-ins are waited for on the device, and no copy syncs the host."""
+    from cuda_helpers import forbid_host_sync
+
+    args = dict(device="cuda", dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=BS)
+    llm = LLM(str(llama_dir), num_kv_blocks=512, **args)
+    plain = [list(o.outputs[0].token_ids) for o in llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
+    del llm
+    llm = LLM(str(llama_dir), num_kv_blocks=30, num_cpu_blocks=256, preemption_mode="swap", **args)
+    core = llm.engine.core
+    assert core.async_scheduling and core.runner.kv_copier.cpu_caches[0].is_pinned()
+    with forbid_host_sync():
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == plain
+    stats = core.kv_cache_manager.offload.stats()
+    assert stats.num_swap_preemptions > 0 and stats.blocks_swapped_in > 0
+    # The prompts again: their prefixes were spilled as the pool turned over.
+    again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in again] == plain
+    assert core.kv_cache_manager.offload.stats().hit_blocks > stats.hit_blocks
+
+
+# ---- pagelm bench offload ---------------------------------------------------------------------
+
+
+def test_bench_offload_chat_reports_a_higher_prefix_hit_rate_with_the_tier(llama_dir, tmp_path):
+    import json
+
+    from pagelm.cli import main
+
+    out = tmp_path / "chat.json"
+    assert main(["bench", "offload", "--model", str(llama_dir), "--workload", "chat", "--conversations", "4",
+                 "--turns", "2", "--concurrency", "1", "--user-len", "12", "--reply-len", "2", "--device", "cpu",
+                 "--block-size", str(BS), "--max-model-len", "32", "--json", str(out)]) == 0
+    without, with_tier = json.loads(out.read_text())["results"]
+    assert (without["run"], with_tier["run"]) == ("no tier", "cpu tier")
+    assert with_tier["prefix_hit_rate"] > without["prefix_hit_rate"]
+    assert with_tier["tier_hit_blocks"] > 0 == without["tier_hit_blocks"]

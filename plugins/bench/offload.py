@@ -13,7 +13,8 @@ after the other, with every engine flag given applied to both:
   ``--reply-len`` tokens. ``--concurrency`` conversations are in flight; the next turn sent is
   the next conversation's, round robin, so by the time a conversation comes back the others
   have pushed its blocks out of a GPU pool sized ``--pool-fraction`` of all conversations'
-  final contexts. Without a tier, then with one big enough for every conversation; reported:
+  final contexts (at least what the conversations in flight need at their longest). Without a
+  tier, then with one big enough for every conversation; reported:
   prefix-cache hit rate, TTFT p50 / p90 (send to first token) and tokens/s.
 
 The GPU pool is ``--num-kv-blocks`` when given; the tier ``--num-cpu-blocks`` or
@@ -48,7 +49,7 @@ def add_parser(sub) -> None:
     p.add_argument("--num-seqs", type=int, default=64, help="pressure: requests (default: %(default)s)")
     p.add_argument("--input-len", type=int, default=2048, help="pressure: prompt ids (default: %(default)s)")
     p.add_argument("--output-len", type=int, default=1024, help="pressure: output tokens (default: %(default)s)")
-    p.add_argument("--conversations", type=int, default=64, help="chat: conversations (default: %(default)s)")
+    p.add_argument("--conversations", type=int, default=32, help="chat: conversations (default: %(default)s)")
     p.add_argument("--turns", type=int, default=6, help="chat: turns per conversation (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=8, help="chat: conversations in flight (default: %(default)s)")
     p.add_argument("--user-len", type=int, default=512, help="chat: new user ids per turn (default: %(default)s)")
@@ -165,8 +166,9 @@ def _chat(args, model_dir: str, kwargs: dict, block_size: int, vocab: int, devic
              for _ in range(args.conversations)]
     final_len = args.turns * (args.user_len + args.reply_len)
     needed = args.conversations * _blocks(final_len, block_size)
+    # At least room for every conversation in flight at its longest: turns never preempt.
     num_kv_blocks = kwargs.get("num_kv_blocks") or max(
-        int(needed * args.pool_fraction), 2 * args.concurrency * _blocks(final_len, block_size)
+        int(needed * args.pool_fraction), args.concurrency * (_blocks(final_len, block_size) + 1)
     )
     print(f"{args.model} on {device_name(device)}: {args.conversations} conversations x {args.turns} turns, "
           f"{final_len} tokens each at the end: {needed} KV blocks; the GPU pool holds {num_kv_blocks}", flush=True)
@@ -188,7 +190,7 @@ def _drive_chat(llm, turns: list[list[list[int]]], args) -> dict:
 
     engine, core = llm.engine, llm.engine.core
     params = SamplingParams(temperature=0.0, max_tokens=args.reply_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": [1, 2, 3, 4] * 8}], SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4] * 4}], SamplingParams(max_tokens=4), use_tqdm=False)
     history: list[list[int]] = [[] for _ in turns]
     order = [(c, t) for t in range(args.turns) for c in range(len(turns))]
     busy: set[int] = set()
