@@ -102,6 +102,13 @@ class EngineConfig:
     data_parallel_router: str = "least_loaded"
     distributed_executor_backend: str | None = None
     distributed_timeout: float = 300.0
+    # Vision-language models (pagelm.multimodal): images one prompt may carry per modality
+    # (None: {"image": 16}), embeddings the vision encoder may make per step, and embeddings
+    # the encoder cache holds (None: max_num_batched_tokens, at least 16,384, so that one
+    # large image always fits).
+    limit_mm_per_prompt: dict[str, int] | None = None
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
     # Extra, plugin-specific settings (e.g. a policy's knobs) pass through untouched.
     plugin_config: dict[str, Any] = field(default_factory=dict)
 
@@ -160,6 +167,14 @@ class EngineConfig:
                 out.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.data_parallel_size < 1:
             out.append(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                out.append(f"{name} must be >= 1 (or None for the default), got {getattr(self, name)}")
+        if self.limit_mm_per_prompt is not None:
+            if not isinstance(self.limit_mm_per_prompt, dict) or any(
+                k != "image" or not isinstance(v, int) or v < 0 for k, v in self.limit_mm_per_prompt.items()
+            ):
+                out.append(f"limit_mm_per_prompt must be like {{'image': N}} with N >= 0, got {self.limit_mm_per_prompt!r}")
         if not self.distributed_timeout > 0:
             out.append(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout}")
         # load_format names a registered model loader, looked up when the engine starts, as
@@ -183,6 +198,23 @@ class EngineConfig:
     def kv_offload_enabled(self) -> bool:
         """Whether the engine has a second KV tier (``swap_space`` or ``num_cpu_blocks``)."""
         return bool(self.num_cpu_blocks) if self.num_cpu_blocks is not None else self.swap_space > 0
+
+    @property
+    def encoder_budget(self) -> int:
+        """Embeddings the vision encoder may make per step (``max_num_encoder_input_tokens``)."""
+        return self.max_num_encoder_input_tokens or max(self.max_num_batched_tokens, 16384)
+
+    @property
+    def encoder_cache_embeddings(self) -> int:
+        """Embeddings the encoder cache holds (``encoder_cache_size``)."""
+        return self.encoder_cache_size or max(self.max_num_batched_tokens, 16384)
+
+    @property
+    def image_limit(self) -> int:
+        """The most images one prompt may carry (``limit_mm_per_prompt``)."""
+        from pagelm.multimodal import DEFAULT_IMAGE_LIMIT
+
+        return (self.limit_mm_per_prompt or {}).get("image", DEFAULT_IMAGE_LIMIT)
 
     @property
     def world_size(self) -> int:

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from pagelm.config import EngineConfig
 from pagelm.engine.input_processor import ProcessedRequest, PromptType
 from pagelm.engine.llm_engine import LLMEngine
+from pagelm.multimodal import content_parts_to_text, decode_data_url
 from pagelm.outputs import RequestOutput
 from pagelm.sampling_params import SamplingParams
 
@@ -75,8 +76,9 @@ class LLM:
         processed = []
         for p, sp, prio in zip(prompts, params, priorities):
             text, token_ids = inputs.truncate(*inputs.tokenize(p), sp)
+            token_ids, features = inputs.multimodal(p, token_ids, sp)
             inputs.check_prompt(token_ids)
-            processed.append(ProcessedRequest(text, token_ids, sp, prio))
+            processed.append(ProcessedRequest(text, token_ids, sp, prio, features))
         # Once per distinct pair: one SamplingParams shared by every prompt is the usual case,
         # and checking a guided one parses its constraint.
         for sp, prio in {(id(sp), id(prio)): (sp, prio) for sp, prio in zip(params, priorities)}.values():
@@ -100,19 +102,27 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the tokenizer's chat template (with
         ``chat_template_kwargs`` as more template variables). ``continue_final_message``: leave
-        the last message open for the model to continue, instead of a generation prompt."""
+        the last message open for the model to continue, instead of a generation prompt.
+        A vision-language model takes image content parts: ``{"type": "image_pil",
+        "image_pil": PIL.Image}`` or ``{"type": "image_url", "image_url": {"url": "data:..."}}``
+        (each becomes the model's image placeholder in the rendered text)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer (its chat template); the engine has skip_tokenizer_init=True")
+        mm = self.engine.inputs.mm_processor
         prompts = []
         for conv in conversations:
+            conv, images = _flatten_images(conv, mm.placeholder_text if mm is not None else None)
             text = tokenizer.apply_chat_template(
                 conv, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message, chat_template=chat_template, **(chat_template_kwargs or {}),
             )
             ids = tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompt = {"prompt": text, "prompt_token_ids": ids}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -124,6 +134,20 @@ class LLM:
                         results[out.request_id] = out
                         bar.update(1)
         return [results[i] for i in ids]
+
+
+def _flatten_images(conversation: Conversation, placeholder: str | None) -> tuple[Conversation, list]:
+    """Messages whose content parts are flattened to text (images as ``placeholder``), and
+    the images in order (``image_url`` parts: ``data:`` URLs, decoded here)."""
+    flat, images = [], []
+    for i, message in enumerate(conversation):
+        if not isinstance(message.get("content"), list):
+            flat.append(message)
+            continue
+        text, found = content_parts_to_text(message["content"], placeholder, f"messages[{i}].content")
+        images += [decode_data_url(x, f"messages[{i}] image_url") if isinstance(x, str) else x for x in found]
+        flat.append({**message, "content": text})
+    return flat, images
 
 
 def _per_prompt(value: Any, n: int, name: str) -> list[Any]:

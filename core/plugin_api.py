@@ -42,7 +42,10 @@ from typing import Any
 # make_empty_intermediate_tensors, supports_pipeline_parallel; optional).
 # 2.7 added the pagelm_register_kv_offload hook (KVOffload: a CPU tier for swap preemption
 # and prefix spill, keyed by kv_offload) and SchedulerOutput.kv_transfers.
-PLUGIN_API_VERSION = "2.7"
+# 2.8 added the multimodal contract (pagelm.multimodal: SupportsMultiModal, a model's
+# MultiModalProcessor, MultiModalFeature) and the optional inputs_embeds argument of a model's
+# forward (docs/plugins.md, migration to 2.8).
+PLUGIN_API_VERSION = "2.8"
 PLUGIN_API_ATTRIBUTE = "PAGELM_PLUGIN_API"
 
 _VERSION_RE = re.compile(r"^(\d+)(?:\.(\d+))?$")

@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagelm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagelm.multimodal import MultiModalFeature
 
 
 class RequestStatus(enum.IntEnum):
@@ -73,6 +76,7 @@ class Request:
         cache_salt: str | None = None,
         max_tokens: int | None = None,
         block_hasher: BlockHasher | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -81,6 +85,8 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # Images in the prompt, by offset (pagelm.multimodal); empty for text.
+        self.mm_features: list[MultiModalFeature] = list(mm_features or ())
         # Effective output budget: SamplingParams.max_tokens capped by max_model_len.
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.status = RequestStatus.WAITING

@@ -4,18 +4,24 @@ third-party ones; EAGLE draft heads are registered as ``Eagle<architecture>``.""
 from pagelm import hookimpl
 from pagelm.models.eagle import EAGLE_HEADS
 from pagelm.models.llama import LlamaForCausalLM, MistralForCausalLM
+from pagelm.models.llava import LlavaForConditionalGeneration
 from pagelm.models.loader import DummyLoader, SafetensorsLoader
 from pagelm.models.qwen2 import Qwen2ForCausalLM
 from pagelm.models.qwen3 import Qwen3ForCausalLM
 
-PAGELM_PLUGIN_API = "2.7"
+PAGELM_PLUGIN_API = "2.8"
 
-__all__ = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+__all__ = [
+    "LlamaForCausalLM", "LlavaForConditionalGeneration", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+]
 
 
 @hookimpl
 def pagelm_register_models(registry) -> None:
-    for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, *EAGLE_HEADS):
+    for cls in (
+        LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, LlavaForConditionalGeneration,
+        *EAGLE_HEADS,
+    ):
         registry.add(cls.__name__, cls)
 
 

@@ -146,10 +146,15 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.last else MissingLayer()
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: dict | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: dict | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         if intermediate_tensors is None:
-            hidden_states, residual = self.embed_tokens(input_ids), None
+            hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
         for layer in self.stage_layers:
@@ -176,11 +181,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: dict | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: dict | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """``input_ids``/``positions``: ``[num_tokens]``; returns ``[num_tokens, hidden]``, or
-        on a pipeline stage before the last the tensors the next stage takes."""
-        return self.model(input_ids, positions, intermediate_tensors)
+        on a pipeline stage before the last the tensors the next stage takes. ``inputs_embeds``
+        (a vision-language model's merged embeddings) replaces the lookup."""
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def make_empty_intermediate_tensors(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> dict:
         """Buffers the previous pipeline stage's output is received into."""

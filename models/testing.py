@@ -246,3 +246,46 @@ def tiny_model_dir(arch: str, tmp_root: str | Path, **kw: Any) -> Path:
         path = build_tiny_model(Path(tmp_root) / f"tiny-{arch}-{digest}", arch, **kw)
         _TINY_DIRS[key] = path
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# Vision-language model
+# --------------------------------------------------------------------------------------------
+
+IMAGE_TOKEN = "<image>"
+
+
+def build_tiny_llava(out_dir: str | Path, *, seed: int = 0, image_size: int = 28, patch_size: int = 7,
+                     dtype: torch.dtype = torch.float32) -> Path:
+    """A random LLaVA checkpoint: a 3-layer CLIP vision tower (``image_size / patch_size``
+    squared embeddings per image, 16 by default), the projector, a 2-layer Llama; its tokenizer
+    has ``<image>`` as a special token, and ``preprocessor_config.json`` is CLIP's image
+    processor at ``image_size``."""
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = chatml_tokenizer(Tokenizer.from_str(_trained_tokenizer_json(512)))
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tokenizer.save_pretrained(str(out))
+    text_config = _tiny_config("llama", tokenizer, dtype, {})
+    vision_config = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        image_size=image_size, patch_size=patch_size, projection_dim=32, initializer_range=0.1,
+    )
+    config = LlavaConfig(
+        vision_config=vision_config, text_config=text_config,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+    )
+    config.dtype = dtype
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(dtype).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    CLIPImageProcessorPil(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
+    ).save_pretrained(str(out))
+    return out

@@ -27,7 +27,7 @@ LAYERS = {
         "pagelm.structured_output", "pagelm.worker.output", "pagelm.engine.core_output",
         "pagelm.sample.metadata", "pagelm.kv_cache.block_hash", "pagelm.model_loader", "pagelm.executor",
         "pagelm.distributed", "pagelm.tool_parser", "pagelm.stat_logger", "pagelm.router",
-        "pagelm.kv_offload",
+        "pagelm.kv_offload", "pagelm.multimodal",
     ],
     2: [
         "pagelm.plugin_manager", "pagelm.kv_cache", "pagelm.sched", "pagelm.sample", "pagelm.kernels",

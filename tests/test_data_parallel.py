@@ -158,7 +158,7 @@ class _BadRouter(Router):
 
 
 class _BadRouterPlugin:
-    PAGELM_PLUGIN_API = "2.7"
+    PAGELM_PLUGIN_API = "2.8"
 
     @hookimpl
     def pagelm_register_routers(self, registry):
@@ -206,7 +206,7 @@ class _LastReplicaRouter(Router):
 
 
 class _LastReplicaPlugin:
-    PAGELM_PLUGIN_API = "2.7"
+    PAGELM_PLUGIN_API = "2.8"
 
     @hookimpl
     def pagelm_register_routers(self, registry):

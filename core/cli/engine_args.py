@@ -57,6 +57,10 @@ _HELP = {
     "--no-structured-output-process: on a worker thread (unset: the process on CUDA with async scheduling)",
     "max_logprobs": "most logprobs / prompt_logprobs a request may ask for; -1: the vocabulary size",
     "plugin_config": "JSON/YAML mapping of plugin-specific settings",
+    "limit_mm_per_prompt": 'most images one prompt may carry, JSON/YAML: {"image": N} (unset: 16)',
+    "max_num_encoder_input_tokens": "most image embeddings the vision encoder makes per step "
+    "(unset: max_num_batched_tokens, at least 16384)",
+    "encoder_cache_size": "image embeddings the encoder cache holds (unset: max_num_batched_tokens, at least 16384)",
     "speculative_config": 'speculative decoding, JSON/YAML: {"method": "ngram"|"eagle", '
     '"num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": n, "model": DIR}',
 }

@@ -22,6 +22,7 @@ from pagelm.engine.core_output import ENGINE_FAULT, EngineCoreOutput
 from pagelm.engine.engine_core import EngineCore
 from pagelm.executor import RankDiedError
 from pagelm.kv_offload import KVOffloadStats
+from pagelm.multimodal import MultiModalFeature
 from pagelm.request import Request
 from pagelm.sampling_params import SamplingParams
 from pagelm.worker.output import LogprobsLists
@@ -56,6 +57,11 @@ class SchedulerStats:
     num_plugin_errors: int = 0
     # The second KV tier (pagelm.kv_offload; all 0 without one): its state and totals.
     kv_offload: KVOffloadStats = field(default_factory=KVOffloadStats)
+    # Vision-language models: images looked up in the encoder cache, found there, and the
+    # share of the cache that running requests hold (totals; 0 for text-only models).
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_usage: float = 0.0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -65,6 +71,7 @@ class SchedulerStats:
     def of(cls, core: EngineCore) -> "SchedulerStats":
         kv = core.kv_cache_manager
         spec = core.scheduler.spec_decoding_stats
+        encoder = core.scheduler.encoder_cache
         return cls(
             core.scheduler.num_running,
             core.scheduler.num_waiting,
@@ -79,6 +86,9 @@ class SchedulerStats:
             list(spec.num_accepted_tokens_per_pos),
             core.plugins.num_hook_errors,
             kv.offload.stats() if kv.offload is not None else KVOffloadStats(),
+            encoder.stats.queries if encoder else 0,
+            encoder.stats.hits if encoder else 0,
+            encoder.usage() if encoder else 0.0,
         )
 
 
@@ -148,15 +158,16 @@ def _error_output(request_id: str, error: str) -> EngineCoreOutput:
 def encode_request(req: Request) -> list:
     return [
         req.request_id, req.prompt_token_ids, req.sampling_params.to_wire(), list(req.eos_token_ids),
-        req.arrival_time, req.priority, req.cache_salt, req.max_tokens,
+        req.arrival_time, req.priority, req.cache_salt, req.max_tokens, [f.to_wire() for f in req.mm_features],
     ]
 
 
 def decode_request(data: list) -> Request:
-    req_id, prompt_ids, params, eos, arrival, priority, salt, max_tokens = data
+    req_id, prompt_ids, params, eos, arrival, priority, salt, max_tokens, mm_features = data
     return Request(
         req_id, prompt_ids, SamplingParams(**params), eos_token_ids=frozenset(eos),
         arrival_time=arrival, priority=priority, cache_salt=salt, max_tokens=max_tokens,
+        mm_features=[MultiModalFeature.from_wire(f) for f in mm_features],
     )
 
 

@@ -31,8 +31,10 @@ from pagelm.config import EngineConfig
 from pagelm.distributed import destroy_distributed, init_distributed
 from pagelm.engine.core_output import EngineCoreOutput
 from pagelm.kv_cache import KVCacheManager, cdiv, make_block_hasher
+from pagelm.multimodal import SupportsMultiModal
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.request import Request, RequestStatus
+from pagelm.sched.encoder_cache import EncoderCacheManager
 from pagelm.sched.scheduler import Scheduler
 from pagelm.executor import Executor
 from pagelm.worker.pending_step import PendingStep
@@ -71,7 +73,8 @@ class EngineCore:
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.hf_config)
         self.max_model_len = self._max_model_len()
-        self.vocab_size = self.hf_config.vocab_size
+        # A vision-language model's config nests the language model's (text_config).
+        self.vocab_size = self.hf_config.get_text_config().vocab_size
         self.eos_token_ids = eos_token_ids
         self.executor = self._start_ranks(plugins, proposer_cls)
         try:
@@ -88,9 +91,13 @@ class EngineCore:
         self.structured_output = None if structured_output_cls is None else structured_output_cls.make_manager(
             config, self.vocab_size, eos_token_ids, device=self.device, async_scheduling=self.async_scheduling
         )
+        # Vision-language models: the images' embeddings the runner keeps, counted in embeddings.
+        self.multimodal = isinstance(self.runner.model, SupportsMultiModal)
+        self.encoder_cache_size = config.encoder_cache_embeddings
         self.scheduler = Scheduler(
             config, self.kv_cache_manager, policy_cls(config), self.max_model_len, self.structured_output,
             num_lookahead_tokens=0 if proposer_cls is None else proposer_cls.num_lookahead_slots(config),
+            encoder_cache=EncoderCacheManager(self.encoder_cache_size) if self.multimodal else None,
         )
         # req_id -> when it was first scheduled, until its first output carries it out.
         self._first_scheduled: dict[str, float] = {}
@@ -261,7 +268,7 @@ class EngineCore:
         return use_cuda_graphs and self.config.pipeline_parallel_size == 1
 
     def _max_model_len(self) -> int:
-        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        limit = getattr(self.hf_config.get_text_config(), "max_position_embeddings", None)
         want = self.config.max_model_len
         if want is None:
             if limit is None:
@@ -326,6 +333,30 @@ class EngineCore:
             )
         if request.max_tokens is not None and request.max_tokens < 1:
             raise ValueError(f"request {request.request_id}: max_tokens must be >= 1, got {request.max_tokens}")
+        if request.mm_features:
+            self._check_images(request)
+
+    def _check_images(self, request: Request) -> None:
+        """Images need a vision-language model on one rank without speculative decoding, and
+        each must fit the encoder's step budget and cache (else it could never be scheduled)."""
+        if not self.multimodal:
+            raise ValueError(f"request {request.request_id}: the model {self.hf_config.architectures} takes no images")
+        if self.executor is not None or self.runner.spec is not None:
+            raise ValueError(
+                f"request {request.request_id}: images do not run with tensor parallelism or speculative decoding yet"
+            )
+        ids, previous_end = request.prompt_token_ids, 0
+        limit = min(self.scheduler.encoder_budget, self.encoder_cache_size)
+        for f in request.mm_features:
+            if not previous_end <= f.offset < f.end <= len(ids) or f.length < 1:
+                raise ValueError(f"request {request.request_id}: image placeholders [{f.offset}, {f.end}) are not "
+                                 f"ordered inside the {len(ids)}-token prompt")
+            if f.length > limit:
+                raise ValueError(
+                    f"request {request.request_id}: an image needs {f.length} embeddings; max_num_encoder_input_tokens "
+                    f"and encoder_cache_size allow {limit} (raise them)"
+                )
+            previous_end = f.end
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from pagelm.config import EngineConfig
+from pagelm.multimodal import MultiModalFeature, MultiModalProcessor, check_image
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.sampling_params import INT64_MAX, INT64_MIN, GuidedDecodingParams, SamplingParams, check_bad_words_token_ids, num_logprobs
 
 # vLLM's prompt shapes: a string, or {"prompt_token_ids": [...]} (TokensPrompt), or
-# {"prompt": "..."} (TextPrompt).
+# {"prompt": "..."} (TextPrompt); either dict may carry {"multi_modal_data": {"image": ...}}.
 PromptType = Union[str, dict[str, Any]]
 
 
@@ -33,14 +34,20 @@ class ProcessedRequest:
     token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    mm_features: tuple[MultiModalFeature, ...] = ()
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, tokenizer: Any, vocab_size: int, max_model_len: int,
+        mm_processor: MultiModalProcessor | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        # A vision-language model's processor (None: the model takes no images).
+        self.mm_processor = mm_processor
 
     @property
     def max_logprobs(self) -> int:
@@ -54,9 +61,40 @@ class InputProcessor:
         """Tokenize ``prompt`` and check it with ``params``; ``ValueError`` names the problem."""
         text, token_ids = self.tokenize(prompt)
         text, token_ids = self.truncate(text, token_ids, params)
+        token_ids, features = self.multimodal(prompt, token_ids, params)
         self.check_prompt(token_ids)
         self.check_params(params, priority)
-        return ProcessedRequest(text, token_ids, params, priority)
+        return ProcessedRequest(text, token_ids, params, priority, features)
+
+    def multimodal(
+        self, prompt: PromptType, token_ids: list[int], params: SamplingParams | None = None
+    ) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
+        """The prompt's images (``prompt["multi_modal_data"]["image"]``: one image or a list)
+        checked and described, and its image placeholders expanded to one position per
+        embedding; ``ValueError`` names the problem. A text-only model's prompt passes
+        untouched unless it carries images."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if self.mm_processor is None:
+            if data:
+                raise ValueError("multi_modal_data: this model takes no images")
+            return token_ids, ()
+        if data is None and self.mm_processor.placeholder_token_id not in token_ids:
+            return token_ids, ()
+        if data is not None and (not isinstance(data, dict) or set(data) - {"image"}):
+            raise ValueError(f"multi_modal_data must be {{'image': PIL.Image or a list of them}}, got keys "
+                             f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        images = (data or {}).get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if len(images) > self.config.image_limit:
+            raise ValueError(
+                f"multi_modal_data has {len(images)} images; limit_mm_per_prompt allows at most "
+                f"{self.config.image_limit} per prompt"
+            )
+        if images and params is not None and params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens cannot be used with images (it could cut an image in two)")
+        images = [check_image(img, f"multi_modal_data.image[{i}]") for i, img in enumerate(images)]
+        token_ids, features = self.mm_processor.process(token_ids, images)
+        return token_ids, tuple(features)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:

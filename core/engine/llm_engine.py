@@ -10,13 +10,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from pagelm.config import EngineConfig
 from pagelm.engine.data_parallel import DataParallelCore
 from pagelm.engine.engine_core import EngineCore
 from pagelm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagelm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest, RequestState
+from pagelm.multimodal import MultiModalProcessor, SupportsMultiModal
 from pagelm.outputs import RequestOutput
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.request import Request
@@ -59,7 +60,25 @@ class LLMEngine:
         self.max_model_len = self.core.max_model_len
         self.vocab_size = self.core.vocab_size
         self.output_processor = OutputProcessor()
-        self.inputs = InputProcessor(config, self.tokenizer, self.vocab_size, self.max_model_len)
+        self.inputs = InputProcessor(
+            config, self.tokenizer, self.vocab_size, self.max_model_len, self._mm_processor(model_dir)
+        )
+
+    def _mm_processor(self, model_dir: Path) -> MultiModalProcessor | None:
+        """A vision-language model's processor, made from its model directory (None: the
+        architecture takes no images). Looked up in the model registry: the model's class
+        names its processor."""
+        if not (model_dir / "config.json").is_file():
+            return None
+        hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=self.config.trust_remote_code)
+        registry = get_plugin_manager().models()
+        for arch in getattr(hf_config, "architectures", None) or []:
+            if arch in registry:
+                cls = registry.get(arch)
+                if isinstance(cls, type) and issubclass(cls, SupportsMultiModal):
+                    return cls.multimodal_processor(model_dir, hf_config, self.tokenizer)
+                return None
+        return None
 
     def add_request(
         self,
@@ -105,7 +124,7 @@ class LLMEngine:
             request = Request(
                 child_id, token_ids, child_params, eos_token_ids=self.core.eos_token_ids,
                 arrival_time=arrival_time, priority=processed.priority, cache_salt=cache_salt,
-                max_tokens=max_tokens,
+                max_tokens=max_tokens, mm_features=list(processed.mm_features),
             )
             children.append((state, request))
         self._check_ids_free([request_id] + [request.request_id for _, request in children])

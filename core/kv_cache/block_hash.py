@@ -1,10 +1,11 @@
 """Chained block hashes for prefix caching.
 
 Only full blocks are hashed. Each hash covers the parent block's hash, the block's token ids
-and (for the first block) the request's extra keys such as ``cache_salt``, so equal tokens at
-different positions, or under different salts, never share a cache entry::
+and extra keys: the request's ``cache_salt`` (first block) and the identifier of every image
+whose placeholders the block holds, so equal tokens at different positions, under different
+salts, or standing for different images never share a cache entry::
 
-    h0 = sha256(b"" | tokens[0:B] | salt)     h1 = sha256(h0 | tokens[B:2B])     ...
+    h0 = sha256(b"" | tokens[0:B] | salt)     h1 = sha256(h0 | tokens[B:2B] | images in it)   ...
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def request_extra_keys(request: "Request") -> bytes:
     return request.cache_salt.encode() if request.cache_salt else b""
 
 
+def image_extra_keys(request: "Request", start: int, end: int) -> bytes:
+    """The identifiers of the request's images with placeholders in ``[start, end)``."""
+    return b"".join(f.identifier.encode() for f in request.mm_features if f.overlaps(start, end))
+
+
 def make_block_hasher(block_size: int):
     """Returns ``hasher(request) -> new hashes``: the hashes of full blocks that the request
     has gained since it was last called (called once at creation and after each append)."""
@@ -46,6 +52,8 @@ def make_block_hasher(block_size: int):
         new: list[BlockHash] = []
         for i in range(start, len(tokens) // block_size):
             extra = request_extra_keys(request) if i == 0 else b""
+            if request.mm_features:
+                extra += image_extra_keys(request, i * block_size, (i + 1) * block_size)
             parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], extra)
             new.append(parent)
         return new

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagelm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagelm.multimodal import MultiModalFeature
 
 
 @dataclass
@@ -23,6 +26,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     need_prompt_logprobs: bool
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
 
 @dataclass
@@ -77,6 +81,11 @@ class SchedulerOutput:
     # Block copies between the GPU pool and the second KV tier, run before the forward pass
     # (None: none, always without a tier; see pagelm.kv_offload).
     kv_transfers: KVTransfers | None = None
+    # Multimodal: {req_id: indices into its mm_features} the runner encodes this step (each
+    # image once, whoever else needs it), and the identifiers whose embeddings it may drop
+    # (evicted from the encoder cache), dropped before this step's encoding.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_identifiers: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -23,6 +23,7 @@ from pagelm.engine.core_output import EngineCoreOutput
 from pagelm.kv_cache import KVCacheManager
 from pagelm.registry import PluginError
 from pagelm.request import Request, RequestStatus
+from pagelm.sched.encoder_cache import EncoderCacheManager
 from pagelm.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagelm.sched.policy import SchedulingPolicy
 from pagelm.spec_decode.stats import SpecDecodingStats
@@ -45,6 +46,7 @@ class Scheduler:
         max_model_len: int,
         structured_output: StructuredOutputManager | None = None,
         num_lookahead_tokens: int = 0,
+        encoder_cache: EncoderCacheManager | None = None,
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
@@ -75,6 +77,10 @@ class Scheduler:
         # request whose sampled token is still in flight waits for it (nobody could feed it
         # to the first stage) instead of riding on a placeholder as with async scheduling.
         self.await_samples = config.pipeline_parallel_size > 1
+        # Multimodal models: the images' embeddings the runner holds, and the embeddings the
+        # encoder may make per step (None: a text-only model).
+        self.encoder_cache = encoder_cache
+        self.encoder_budget = config.encoder_budget
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -116,6 +122,8 @@ class Scheduler:
         for req in failed:
             req.status = RequestStatus.FINISHED_ERROR
             self._free(req)
+        if self.encoder_cache is not None:  # the failed step may not have encoded what it allocated
+            self.encoder_cache.evict_all()
         return failed
 
     def _free(self, request: Request) -> None:
@@ -125,6 +133,8 @@ class Scheduler:
         # the blocks. The same holds for preemption.
         if request.use_structured_output:
             self.structured_output.release(request)
+        if request.mm_features:
+            self.encoder_cache.free(request.request_id)
         self.kv.free(request)
         self._finished_since_last_step.add(request.request_id)
         del self.requests[request.request_id]
@@ -147,7 +157,7 @@ class Scheduler:
             self._take_compiled_grammars()
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
         self._finished_since_last_step = set()
-        step = _StepState(budget=self.config.max_num_batched_tokens)
+        step = _StepState(budget=self.config.max_num_batched_tokens, encoder_budget=self.encoder_budget)
         self._schedule_running(out, step)
         # A running request had to give way for KV room: the pool is tight, admit nobody.
         if not out.preempted_req_ids:
@@ -178,6 +188,11 @@ class Scheduler:
                 continue  # its token in flight is its last (never past max_tokens), or its input
             # Drafts ride after the known tokens; a short budget trims them first.
             num_new = self._num_new_tokens(req, req.num_computed_tokens, step.budget, len(req.spec_token_ids))
+            encodes = None
+            if req.mm_features:
+                num_new, encodes = self._plan_encoder(req, req.num_computed_tokens, num_new, step)
+                if num_new == 0:
+                    continue
             partial = req.num_computed_tokens + num_new < req.num_tokens_with_placeholders
             if partial and step.num_partial >= self.config.max_num_partial_prefills:
                 continue
@@ -185,6 +200,8 @@ class Scheduler:
             blocks = self._allocate_or_preempt(req, num_new, lookahead, out, step)
             if blocks is None:
                 continue
+            if encodes is not None:
+                self._commit_encoder(req, encodes, step)
             step.book(req, num_new, partial, out)
             step.new_block_ids[req.request_id] = [b.block_id for b in blocks]
             num_drafts = req.num_computed_tokens + num_new - req.num_tokens_with_placeholders
@@ -202,6 +219,11 @@ class Scheduler:
                 break
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             num_new = self._num_new_tokens(req, num_hit_tokens, step.budget)
+            encodes = None
+            if req.mm_features:
+                num_new, encodes = self._plan_encoder(req, num_hit_tokens, num_new, step)
+                if num_new == 0:
+                    break  # its next image waits for encoder budget or cache room
             partial = num_hit_tokens + num_new < req.num_tokens
             if partial and step.num_partial >= self.config.max_num_partial_prefills:
                 break
@@ -209,6 +231,8 @@ class Scheduler:
                 lookahead = self._num_lookahead(req, num_hit_tokens + num_new, partial)
                 if self.kv.allocate_slots(req, num_new, lookahead, hits, num_hit_tokens) is not None:
                     self._admit(req, num_hit_tokens, out)
+                    if encodes is not None:
+                        self._commit_encoder(req, encodes, step)
                     step.book(req, num_new, partial, out)
                     continue
             victim = self._victim_for_waiting(req)
@@ -236,6 +260,7 @@ class Scheduler:
                 block_ids=self.kv.get_block_ids(req.request_id),
                 num_computed_tokens=num_hit_tokens,
                 need_prompt_logprobs=not req.prompt_logprobs_done,
+                mm_features=req.mm_features,
             )
         )
 
@@ -255,14 +280,85 @@ class Scheduler:
                 out.grammar_bitmask = self.structured_output.grammar_bitmask
             if req.reads_output_history:
                 out.needs_previous_tokens = True
+            if req.mm_features:
+                self._assign_encoder_inputs(req, num_new, out, step)
             # Progress is booked at scheduling time; the runner reads the pre-step value.
             req.num_computed_tokens += num_new
             if samples:
                 req.num_output_placeholders += 1
+            if req.mm_features:
+                self._release_computed_images(req)
+        if self.encoder_cache is not None:
+            for identifier in step.new_encodes - step.assigned_encodes:
+                self.encoder_cache.forget(identifier)  # its request gave way this step
+            out.free_encoder_identifiers = self.encoder_cache.take_evicted()
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.kv_transfers = self.kv.take_transfers()
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
         self._unupdated_steps.append((out, scheduled))
+
+    # ---- the encoder (multimodal requests only) ------------------------------------------
+    def _plan_encoder(self, req: Request, start: int, num_new: int, step: "_StepState") -> tuple[int, list]:
+        """The images the tokens ``[start, start + num_new)`` touch that ``req`` does not hold
+        yet; an image that is not cached and does not fit this step's encoder budget or the
+        cache cuts the chunk short before its first placeholder::
+
+            | computed | text  img img img | img img ...     <- no room to encode this one
+                       ^start              ^ returned num_new ends here
+
+        Returns ``(num_new, images to take)``; nothing changes until ``_commit_encoder``."""
+        cache, end = self.encoder_cache, start + num_new
+        wanted, budget = [], step.encoder_budget
+        room = cache.num_free_slots + cache.num_freeable  # a hit on a freeable entry takes it out
+        for feature in req.mm_features:
+            if feature.offset >= end:
+                break
+            if feature.end <= start or cache.holds(req.request_id, feature.identifier):
+                continue
+            if feature.identifier in cache.freeable:  # a hit that takes room misses could evict
+                if cache.freeable[feature.identifier] > room:
+                    return max(feature.offset - start, 0), wanted
+                room -= cache.freeable[feature.identifier]
+            elif feature.identifier not in cache.sizes:
+                if feature.length > min(budget, room):
+                    return max(feature.offset - start, 0), wanted
+                budget -= feature.length
+                room -= feature.length
+            wanted.append(feature)
+        return num_new, wanted
+
+    def _commit_encoder(self, req: Request, wanted: list, step: "_StepState") -> None:
+        """Take what ``_plan_encoder`` chose: hits hold their cached entries first (so that
+        no miss evicts them), then each miss allocates room (the runner encodes it this step)."""
+        cache = self.encoder_cache
+        misses = [f for f in wanted if not cache.take_ref(req.request_id, f.identifier)]
+        for feature in misses:
+            if not cache.take_ref(req.request_id, feature.identifier):  # else: a copy of an image just allocated
+                cache.allocate(req.request_id, feature.identifier, feature.length)
+                step.encoder_budget -= feature.length
+                step.new_encodes.add(feature.identifier)
+
+    def _assign_encoder_inputs(self, req: Request, num_new: int, out: SchedulerOutput, step: "_StepState") -> None:
+        """Name ``req`` the encoder of each image allocated this step that its tokens touch and
+        nobody encodes yet (the request that allocated it may have given way since)."""
+        start = req.num_computed_tokens
+        for index, feature in enumerate(req.mm_features):
+            identifier = feature.identifier
+            if feature.overlaps(start, start + num_new) and identifier in step.new_encodes:
+                if identifier not in step.assigned_encodes:
+                    step.assigned_encodes.add(identifier)
+                    out.scheduled_encoder_inputs.setdefault(req.request_id, []).append(index)
+
+    def _release_computed_images(self, req: Request) -> None:
+        """``req`` holds an image only while one of its copies is partly computed: an image
+        whose positions are done (or not begun) is released, so that a request never waits
+        for cache room while holding any (an image repeated later is looked up again)."""
+        computed = req.num_computed_tokens
+        in_progress = {f.identifier for f in req.mm_features if f.offset < computed < f.end}
+        for feature in req.mm_features:
+            identifier = feature.identifier
+            if identifier not in in_progress and self.encoder_cache.holds(req.request_id, identifier):
+                self.encoder_cache.release(req.request_id, identifier)
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int, num_drafts: int = 0) -> int:
         num_new = req.num_tokens_with_placeholders + num_drafts - num_computed
@@ -314,6 +410,8 @@ class Scheduler:
         if mode == "recompute" or not self.kv.swap_out(req, force=mode == "swap"):
             self.kv.free(req)
         req.num_computed_tokens = 0  # a swapped one's count is the tier's, until it is loaded back
+        if req.mm_features:
+            self.encoder_cache.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.spec_token_ids = []
         req.num_preemptions += 1
@@ -519,9 +617,13 @@ class _StepState:
     """What one ``schedule()`` call has handed out so far."""
 
     budget: int
+    encoder_budget: int = 0
     num_partial: int = 0
     partial_ids: set[str] = field(default_factory=set)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Images allocated in the encoder cache this step, and those a booked request encodes.
+    new_encodes: set[str] = field(default_factory=set)
+    assigned_encodes: set[str] = field(default_factory=set)
 
     def book(self, req: Request, num_new: int, partial: bool, out: SchedulerOutput) -> None:
         out.num_scheduled_tokens[req.request_id] = num_new

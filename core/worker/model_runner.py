@@ -100,6 +100,12 @@ class ModelRunner:
         # Recorded once a step's host-to-device input copies are queued: the next step waits
         # for it before it rewrites the pinned staging those copies read.
         self._inputs_uploaded = torch.cuda.Event() if device.type == "cuda" else None
+        # Vision-language models: each image's embeddings by identifier, from the step that
+        # encodes it until the scheduler evicts it (``SchedulerOutput.free_encoder_identifiers``);
+        # how many images the encoder has run on; running requests that have images.
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.num_encoded_images = 0
+        self._num_mm_requests = 0
 
     def enable_speculative_decoding(self, proposer) -> None:
         """Verify drafts and ask ``proposer`` for new ones every step. Before the KV cache is
@@ -194,12 +200,14 @@ class ModelRunner:
         state.logits_row = build_logits_row(state.sampling_params, self.vocab_size, self.device)
         self.block_table_cpu[state.row, : len(state.block_ids)] = state.block_ids
         self.requests[state.req_id] = state
+        self._num_mm_requests += bool(state.mm_features)
         return state
 
     def _remove_state(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self._free_rows.append(state.row)
+            self._num_mm_requests -= bool(state.mm_features)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
@@ -213,6 +221,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 need_prompt_logprobs=new.need_prompt_logprobs,
                 output_token_ids=list(new.output_token_ids),
+                mm_features=new.mm_features,
             ))
         for cached in sched.scheduled_cached_reqs:
             if cached.new_block_ids:
@@ -255,7 +264,9 @@ class ModelRunner:
         if self._inputs_uploaded is not None:
             with host_sync_point():  # the previous step's uploads have read the pinned staging
                 self._inputs_uploaded.synchronize()
-        step = self.prepare_inputs(states, starts, counts)
+        mm_embeds = self._multimodal_inputs(sched, states, starts, counts) if self._num_mm_requests else None
+        step = self.prepare_inputs(states, starts, counts, allow_graph=mm_embeds is None)
+        step.mm_embeds = mm_embeds
         # Before this step's placeholders: seeds and min_tokens count the outputs before it.
         md = build_sampling_metadata(states, self.eos_token_ids, self.vocab_size, self.device)
         if previous is not None:
@@ -364,6 +375,35 @@ class ModelRunner:
                 positions.append(-1)
         return positions
 
+    def _multimodal_inputs(self, sched: SchedulerOutput, states, starts, counts):
+        """Drop the embeddings the scheduler evicted, encode the images it scheduled, and
+        gather the embeddings of this step's placeholder positions in token order, with the
+        mask of those positions (None: the step covers no image position)."""
+        for identifier in sched.free_encoder_identifiers:
+            self.encoder_cache.pop(identifier, None)
+        if sched.scheduled_encoder_inputs:
+            features = [
+                self.requests[req_id].mm_features[i]
+                for req_id, indices in sched.scheduled_encoder_inputs.items() for i in indices
+            ]
+            for feature, embeds in zip(features, self.model.get_multimodal_embeddings(features)):
+                assert embeds.shape[0] == feature.length, f"{feature.identifier}: {embeds.shape[0]} != {feature.length}"
+                self.encoder_cache[feature.identifier] = embeds
+            self.num_encoded_images += len(features)
+        pieces, is_mm, flat = [], None, 0
+        for state, start, count in zip(states, starts, counts):
+            for feature in state.mm_features:
+                if feature.overlaps(start, start + count):
+                    lo, hi = max(start, feature.offset), min(start + count, feature.end)
+                    pieces.append(self.encoder_cache[feature.identifier][lo - feature.offset : hi - feature.offset])
+                    if is_mm is None:
+                        is_mm = np.zeros(sum(counts), dtype=bool)
+                    is_mm[flat + lo - start : flat + hi - start] = True
+            flat += count
+        if not pieces:
+            return None
+        return torch.cat(pieces), torch.from_numpy(is_mm).to(self.device, non_blocking=True)
+
     def _feed_index(self, previous: PendingStep, states, starts, counts) -> torch.Tensor | None:
         """Which of this step's input ids are samples of ``previous`` (a step not finished
         yet; async scheduling): ``[2, n]`` (flat input index, row of ``previous.sampled``) on
@@ -390,12 +430,15 @@ class ModelRunner:
         else:
             attn_metadata = self.metadata_builder.build(step.common)
             with forward_context(ForwardContext(attn_metadata=attn_metadata)):
-                if self.pipeline is None:
-                    hidden = self.model(step.input_ids, step.positions)
-                else:
+                if self.pipeline is not None:
                     hidden = self.pipeline.forward(self.model, step.input_ids, step.positions)
                     if hidden is None:  # an earlier stage: the next one has its output
                         return (None, None) if return_hidden else None
+                elif step.mm_embeds is None:
+                    hidden = self.model(step.input_ids, step.positions)
+                else:
+                    embeds = self.model.merge_multimodal_embeddings(step.input_ids, *step.mm_embeds)
+                    hidden = self.model(step.input_ids, step.positions, inputs_embeds=embeds)
         if logits_indices is not None:
             last_hidden = hidden[logits_indices]
         elif step.uniform_decode:

@@ -26,6 +26,8 @@ class CachedRequestState:
     # Its logit_bias / allowed_token_ids / one-token bad_words as one [vocab] row, built when
     # it joins the runner (pagelm.sample.request_logits); None when it uses none of them.
     logits_row: torch.Tensor | None = None
+    # Its images (pagelm.multimodal.MultiModalFeature), by offset; empty for text.
+    mm_features: list = field(default_factory=list)
 
 
 @dataclass
@@ -37,6 +39,9 @@ class StepInputs:
     positions: torch.Tensor | None
     uniform_decode: bool  # one token per request: hidden row i is request i's last token
     graph_size: int | None = None  # replay the CUDA graph of this (padded) batch size
+    # Image embeddings at this step's placeholder positions: ``(embeddings [n, hidden],
+    # is_multimodal [num_tokens] bool)``; None when the step covers none (text never has them).
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @contextmanager

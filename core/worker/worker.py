@@ -57,7 +57,7 @@ def load_runner(config, hf_config, device, dtype, eos_token_ids, max_model_len) 
     model = plugins.model_loaders().get(config.load_format).load(config, hf_config, device, dtype)
     layers = attention_layers(model)
     backend_cls = select_attention_backend(config, plugins.attention_backends(), layers[0].spec, dtype, device)
-    runner = ModelRunner(config, model, backend_cls, device, dtype, eos_token_ids, hf_config.vocab_size, max_model_len)
+    runner = ModelRunner(config, model, backend_cls, device, dtype, eos_token_ids, hf_config.get_text_config().vocab_size, max_model_len)
     return runner, layers
 
 

@@ -57,6 +57,8 @@ class LoggingStatLogger(StatLogger):
         tier = stats.kv_offload
         if tier.num_blocks:
             spec_line += f", CPU KV cache usage: {100 * tier.usage:.1f}%, swapped: {tier.num_swapped_requests} reqs"
+        if stats.encoder_cache_queries:  # a vision-language model
+            spec_line += f", encoder cache hit rate: {100 * stats.encoder_cache_hits / stats.encoder_cache_queries:.1f}%"
         logger.info(
             "prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, running: %d reqs, "
             "waiting: %d reqs, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%%s",

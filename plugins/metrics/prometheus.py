@@ -152,6 +152,16 @@ class PrometheusStatLogger(StatLogger):
             registry=self.registry,
         )
         self.set_cache_config_info(cache_info)
+        # Vision-language models: the encoder cache (images, not embeddings; 0 for text models).
+        self.encoder_cache_queries = counter(
+            "pagelm:encoder_cache_queries", "Images looked up in the encoder cache when a request first needed them."
+        )
+        self.encoder_cache_hits = counter(
+            "pagelm:encoder_cache_hits", "Of those, images whose embeddings were cached (the encoder did not run)."
+        )
+        self.encoder_cache_usage_perc = gauge(
+            "pagelm:encoder_cache_usage_perc", "Encoder-cache usage by running requests. 1 means 100 percent usage."
+        )
         # Speculative decoding: mean acceptance length = 1 + accepted / drafts.
         self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
@@ -294,6 +304,9 @@ class PrometheusStatLogger(StatLogger):
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions - last.num_preemptions)
         self.plugin_errors.inc(stats.num_plugin_errors - last.num_plugin_errors)
+        self.encoder_cache_queries.inc(stats.encoder_cache_queries - last.encoder_cache_queries)
+        self.encoder_cache_hits.inc(stats.encoder_cache_hits - last.encoder_cache_hits)
+        self.encoder_cache_usage_perc.set(stats.encoder_cache_usage)
         if stats.spec_num_drafts != last.spec_num_drafts:
             self._record_spec_decode(stats, last)
         if stats.kv_offload.num_blocks:

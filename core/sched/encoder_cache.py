@@ -1,0 +1,118 @@
+"""The encoder cache manager: which images' embeddings the runner holds, counted in
+embeddings, on the scheduler's side.
+
+An entry is keyed by the image's ``identifier`` (a hash), so one image in many requests is
+encoded once. Requests that still have positions of the image to compute hold a reference;
+an entry nobody references stays cached (freed lazily, least recently released first) until
+its room is needed, so the same image sent again later is a hit::
+
+    allocate / take_ref    ->  referenced  --release (last position computed, or preempted)-->
+    freeable (still a hit) --evicted for room-->  gone (its identifier goes to the runner
+                                                  in the next SchedulerOutput, which drops it)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class EncoderCacheStats:
+    queries: int = 0  # images looked up when a request first needed them
+    hits: int = 0  # of those, found encoded (or being encoded this step)
+
+
+class EncoderCacheManager:
+    def __init__(self, cache_size: int) -> None:
+        self.cache_size = cache_size  # in embeddings
+        self.num_free_slots = cache_size  # not held by any entry, referenced or freeable
+        self.sizes: dict[str, int] = {}  # identifier -> embeddings, every entry
+        self.refs: dict[str, set[str]] = {}  # identifier -> request ids holding it (non-empty)
+        self.freeable: OrderedDict[str, int] = OrderedDict()  # unreferenced entries, LRU first
+        self.num_freeable = 0  # embeddings in freeable entries
+        self.req_refs: dict[str, set[str]] = {}  # request id -> identifiers it holds
+        self.evicted: list[str] = []  # since the runner was last told
+        self.stats = EncoderCacheStats()
+
+    # ---- lookups -------------------------------------------------------------------------
+    def holds(self, request_id: str, identifier: str) -> bool:
+        return identifier in self.req_refs.get(request_id, ())
+
+    def take_ref(self, request_id: str, identifier: str) -> bool:
+        """A hit: ``request_id`` now holds the cached entry. False (and nothing changes) when
+        there is no entry: the encoder must run (``allocate``)."""
+        if identifier not in self.sizes:
+            return False  # the miss is counted by allocate(), once it is served
+        self.stats.queries += 1
+        self.stats.hits += 1
+        self._ref(request_id, identifier)
+        return True
+
+    # ---- changes -------------------------------------------------------------------------
+    def allocate(self, request_id: str, identifier: str, size: int) -> None:
+        """A miss: room for ``identifier``'s ``size`` embeddings (the runner encodes it this
+        step), evicting least recently released entries first. The caller has checked that
+        ``size <= num_free_slots + num_freeable``."""
+        assert identifier not in self.sizes, f"{identifier} is cached already"
+        while self.num_free_slots < size:
+            old, old_size = self.freeable.popitem(last=False)
+            del self.sizes[old]
+            self.num_freeable -= old_size
+            self.num_free_slots += old_size
+            self.evicted.append(old)
+        self.stats.queries += 1
+        self.num_free_slots -= size
+        self.sizes[identifier] = size
+        self._ref(request_id, identifier)
+
+    def release(self, request_id: str, identifier: str) -> None:
+        """``request_id`` needs ``identifier`` no more (its last position is computed)."""
+        self.req_refs[request_id].discard(identifier)
+        if not self.req_refs[request_id]:
+            del self.req_refs[request_id]
+        holders = self.refs[identifier]
+        holders.discard(request_id)
+        if not holders:
+            del self.refs[identifier]
+            self.freeable[identifier] = self.sizes[identifier]
+            self.num_freeable += self.sizes[identifier]
+
+    def free(self, request_id: str) -> None:
+        """Release everything ``request_id`` holds (it finished or was preempted)."""
+        for identifier in list(self.req_refs.get(request_id, ())):
+            self.release(request_id, identifier)
+
+    def forget(self, identifier: str) -> None:
+        """Drop an unreferenced entry outright: it was allocated this step and nobody
+        encodes it after all (its request gave way in the same step)."""
+        size = self.freeable.pop(identifier, None)
+        if size is not None:
+            del self.sizes[identifier]
+            self.num_freeable -= size
+            self.num_free_slots += size
+
+    def evict_all(self) -> None:
+        """Evict every unreferenced entry (after a failed step, whose encodes may be missing)."""
+        for identifier in list(self.freeable):
+            self.num_free_slots += self.sizes.pop(identifier)
+            self.evicted.append(identifier)
+        self.freeable.clear()
+        self.num_freeable = 0
+
+    def take_evicted(self) -> list[str]:
+        """Identifiers evicted since the last call: the runner drops their embeddings."""
+        evicted, self.evicted = self.evicted, []
+        return evicted
+
+    def usage(self) -> float:
+        """Share of the cache referenced by requests (freeable entries count as free)."""
+        used = self.cache_size - self.num_free_slots - self.num_freeable
+        return used / self.cache_size if self.cache_size else 0.0
+
+    def _ref(self, request_id: str, identifier: str) -> None:
+        size = self.freeable.pop(identifier, None)
+        if size is not None:
+            self.num_freeable -= size
+        self.refs.setdefault(identifier, set()).add(request_id)
+        self.req_refs.setdefault(request_id, set()).add(identifier)
