@@ -99,7 +99,7 @@ def check_image(image: Any, what: str = "image") -> "Image.Image":
         raise ValueError(f"{what} must be a PIL.Image.Image, got {type(image).__name__}")
     if image.width * image.height > MAX_IMAGE_PIXELS:
         raise ValueError(
-            f"{what} is {image.width} x {image.height} pixels; at most {MAX_IMAGE_PIXELS:,} pixels are allowed"
+            f"{what} is too large: {image.width} x {image.height} pixels, at most {MAX_IMAGE_PIXELS:,} are allowed"
         )
     if image.width < 1 or image.height < 1:
         raise ValueError(f"{what} is empty ({image.width} x {image.height})")
@@ -115,12 +115,12 @@ def decode_image(raw: bytes, what: str = "image") -> "Image.Image":
         with Image.open(io.BytesIO(raw)) as img:
             if img.width * img.height > MAX_IMAGE_PIXELS:  # header only: nothing decoded yet
                 raise ValueError(
-                    f"{what} is {img.width} x {img.height} pixels; at most {MAX_IMAGE_PIXELS:,} pixels are allowed"
+                    f"{what} is too large: {img.width} x {img.height} pixels, at most {MAX_IMAGE_PIXELS:,} are allowed"
                 )
             img.load()
             return check_image(img, what)
     except Image.DecompressionBombError as exc:
-        raise ValueError(f"{what} is too large: {exc}") from None
+        raise ValueError(f"{what} is too large: {exc}") from None  # PIL's own limit, met on open
     except (UnidentifiedImageError, OSError, SyntaxError) as exc:
         raise ValueError(f"{what} is not a readable image ({type(exc).__name__}: {exc})") from None
 

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, LlamaConfig
 
 from pagelm import LLM, SamplingParams
 from pagelm.plugins.bench.latency import random_prompts
@@ -23,14 +23,16 @@ PUBLISHED_PARAMS = {
     "llama-3.2-1b": 1_235_814_400,
     "llama-3.1-8b": 8_030_261_248,
     "qwen3-8b": 8_190_735_360,
+    "llava-1.5-7b": 7_063_427_072,
 }
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_has_the_published_parameter_count(name, tmp_path):
     config = AutoConfig.from_pretrained(materialize(name, tmp_path))
+    auto = AutoModelForImageTextToText if "vision_config" in PRESETS[name] else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     assert type(model).__name__ == PRESETS[name]["architectures"][0]
     assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMS[name]
 

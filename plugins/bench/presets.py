@@ -111,6 +111,40 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# LLaVA-1.5-7B (llava-hf/llava-1.5-7b-hf): CLIP ViT-L/14 at 336 px (576 embeddings an image),
+# Vicuna-7B (Llama-2 shapes). Its directory also gets CLIP's preprocessor_config.json.
+PRESETS["llava-1.5-7b"] = {
+    "architectures": ["LlavaForConditionalGeneration"],
+    "model_type": "llava",
+    "image_token_index": 32000,
+    "projector_hidden_act": "gelu",
+    "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default",
+    "torch_dtype": "float16",
+    "text_config": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+        "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+        "vocab_size": 32064, "rope_theta": 10000.0, "torch_dtype": "float16",
+    },
+    "vision_config": {
+        "model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+        "num_attention_heads": 16, "image_size": 336, "patch_size": 14, "hidden_act": "quick_gelu",
+        "layer_norm_eps": 1e-5, "projection_dim": 768,
+    },
+}
+PRESET_FILES: dict[str, dict[str, dict[str, Any]]] = {
+    "llava-1.5-7b": {
+        "preprocessor_config.json": {
+            "image_processor_type": "CLIPImageProcessor", "do_resize": True, "size": {"shortest_edge": 336},
+            "resample": 3, "do_center_crop": True, "crop_size": {"height": 336, "width": 336},
+            "do_rescale": True, "rescale_factor": 0.00392156862745098, "do_normalize": True,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "do_convert_rgb": True,
+        },
+    },
+}
+
 
 # ``--model demo``: the built-in demo model (pagelm.plugins.demo.model), e.g. to measure an EAGLE
 # head trained for it by ``pagelm train-eagle``.
@@ -128,13 +162,14 @@ def materialize(name: str, root: Path | None = None) -> Path:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
     path = (root or default_presets_dir()) / name
-    text = json.dumps(PRESETS[name], indent=2, sort_keys=True) + "\n"
-    config = path / "config.json"
-    if not config.exists() or config.read_text() != text:
-        path.mkdir(parents=True, exist_ok=True)
-        tmp = path / f".config.json.{os.getpid()}.tmp"
-        tmp.write_text(text)
-        tmp.replace(config)  # atomic: concurrent benchmarks never read half a file
+    for filename, content in {"config.json": PRESETS[name], **PRESET_FILES.get(name, {})}.items():
+        text = json.dumps(content, indent=2, sort_keys=True) + "\n"
+        target = path / filename
+        if not target.exists() or target.read_text() != text:
+            path.mkdir(parents=True, exist_ok=True)
+            tmp = path / f".{filename}.{os.getpid()}.tmp"
+            tmp.write_text(text)
+            tmp.replace(target)  # atomic: concurrent benchmarks never read half a file
     return path
 
 

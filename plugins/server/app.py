@@ -22,6 +22,7 @@ from pagelm.plugins.server.core_process_metrics import EngineCoreProcessCollecto
 from pagelm.plugins.server.errors import APIError, install_error_handlers
 from pagelm.plugins.server.http_metrics import HTTPMetrics, HTTPMetricsMiddleware
 from pagelm.plugins.server.load import ServerLoad, ServerLoadMiddleware
+from pagelm.plugins.server.media import ImageFetcher
 from pagelm.plugins.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,6 +48,7 @@ def build_app(
     tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
     enable_tokenizer_info_endpoint: bool = False, max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     exclude_tools_when_tool_choice_none: bool = False,
+    image_fetcher: ImageFetcher | None = None,
 ) -> FastAPI:
     """The app serving ``engine``. It starts the engine's output loop at start-up and shuts the
     engine down when the server stops. ``allow_unknown_fields``: ignore request fields
@@ -59,7 +61,8 @@ def build_app(
     ``enable_auto_tool_choice``: ``tool_choice="auto"`` (see tools.py);
     ``exclude_tools_when_tool_choice_none``: render no tools for ``tool_choice="none"``;
     ``enable_tokenizer_info_endpoint``: serve ``/tokenizer_info`` (vLLM's flag; it shows the
-    chat template and the model's path)."""
+    chat template and the model's path); ``image_fetcher``: how chat ``image_url`` parts are
+    read (size and time limits, whether http(s) URLs are fetched)."""
     model_name = model_name or engine.model_name
     serving = OpenAIServing(
         engine, model_name, allow_unknown_fields=allow_unknown_fields, max_n=max_n,
@@ -67,7 +70,7 @@ def build_app(
         tool_calling=ToolCalling(
             engine.tokenizer, tool_call_parser, enable_auto_tool_choice, exclude_tools_when_tool_choice_none
         ),
-        max_sequences=max_sequences_per_request,
+        max_sequences=max_sequences_per_request, images=image_fetcher,
     )
     responses_serving = ResponsesServing(serving)
     load = ServerLoad()

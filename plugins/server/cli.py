@@ -14,6 +14,7 @@ import logging
 import os
 
 from pagelm.cli.engine_args import add_engine_args, engine_kwargs
+from pagelm.plugins.server.media import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_MAX_IMAGE_BYTES, ImageFetcher
 from pagelm.plugins.server import (
     DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     DEFAULT_MAX_STOP_STRINGS,
@@ -110,6 +111,18 @@ def add_parser(sub) -> None:
         help="run the engine core in its own process; --no-engine-process runs it in a thread "
         "of the server process, which then shares the GIL with HTTP (default: on)",
     )
+    server.add_argument(
+        "--max-image-bytes", type=_positive_int, default=DEFAULT_MAX_IMAGE_BYTES,
+        help=f"largest image file a chat image_url part may carry or point to (default: {DEFAULT_MAX_IMAGE_BYTES})",
+    )
+    server.add_argument(
+        "--image-fetch-timeout", type=float, default=DEFAULT_FETCH_TIMEOUT_S,
+        help=f"seconds one http(s) image_url fetch may take (default: {DEFAULT_FETCH_TIMEOUT_S})",
+    )
+    server.add_argument(
+        "--fetch-image-urls", action=argparse.BooleanOptionalAction, default=True,
+        help="fetch http(s) image_url parts; --no-fetch-image-urls takes data: URLs only (default: on)",
+    )
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -182,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         max_sequences_per_request=args.max_sequences_per_request,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        image_fetcher=ImageFetcher(args.max_image_bytes, args.image_fetch_timeout, args.fetch_image_urls),
     )
     server = _draining_server_class()(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,

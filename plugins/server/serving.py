@@ -24,10 +24,12 @@ from pagelm.engine.core_client import EngineShuttingDown
 from pagelm.engine.core_output import EngineStepError
 from pagelm.engine.input_processor import ProcessedRequest
 from pagelm.engine.output_processor import OutputKind
+from pagelm.multimodal import content_parts_to_text
 from pagelm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagelm.sampling_params import GuidedDecodingParams, SamplingParams
 from pagelm.plugins.server import DEFAULT_MAX_N, DEFAULT_MAX_SEQUENCES_PER_REQUEST, DEFAULT_MAX_STOP_STRINGS
 from pagelm.plugins.server.errors import APIError, param_of
+from pagelm.plugins.server.media import ImageFetcher
 from pagelm.plugins.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -77,6 +79,7 @@ class OpenAIServing:
         self, engine: AsyncLLM, model_name: str, *, allow_unknown_fields: bool = False, max_n: int = DEFAULT_MAX_N,
         trust_request_chat_template: bool = False, max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS,
         tool_calling: ToolCalling | None = None, max_sequences: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+        images: ImageFetcher | None = None,
     ) -> None:
         self.engine = engine
         self.allow_unknown_fields = allow_unknown_fields
@@ -89,6 +92,7 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise ValueError("the OpenAI server needs a tokenizer: do not set skip_tokenizer_init")
         self.tool_calling = tool_calling or ToolCalling(self.tokenizer)
+        self.images = images or ImageFetcher()
 
     # ---- checks shared by both endpoints --------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -230,11 +234,12 @@ class OpenAIServing:
             text, token_ids = inputs.truncate(prompt["prompt"], prompt["prompt_token_ids"], params)
         except ValueError as exc:
             raise APIError(str(exc), param="truncate_prompt_tokens") from None
-        prompt.update(prompt=text, prompt_token_ids=token_ids)  # echo shows what the model read
         try:
+            token_ids, features = inputs.multimodal(prompt, token_ids, params)  # images: placeholders expanded
             inputs.check_prompt(token_ids)
         except ValueError as exc:
             raise APIError(str(exc), param=prompt_name) from None
+        prompt.update(prompt=text, prompt_token_ids=token_ids)  # echo shows what the model read
         limit = self.engine.max_model_len
         if max_tokens is not None and len(token_ids) + max_tokens > limit:
             raise APIError(
@@ -243,7 +248,7 @@ class OpenAIServing:
                 f"the completion). Reduce the length of the prompt or {max_tokens_name}.",
                 param=max_tokens_name,
             )
-        return ProcessedRequest(prompt["prompt"], token_ids, params, priority)
+        return ProcessedRequest(prompt["prompt"], token_ids, params, priority, features)
 
     # ---- completions ----------------------------------------------------------------------
     async def completion(self, req: CompletionRequest) -> CompletionResponse | StreamingResponse:
@@ -475,16 +480,24 @@ class OpenAIServing:
                 "to allow it",
                 param="chat_template",
             )
-        messages = []
+        messages, images = [], []
+        mm = self.engine.engine.inputs.mm_processor
         for i, m in enumerate(req.messages):
-            content = m.content
+            content, where = m.content, f"messages.{i}.content"
             if isinstance(content, list):
-                if any(part.get("type") != "text" for part in content):
-                    raise APIError("only text content parts are supported", param=f"messages.{i}.content")
-                bad = next((j for j, part in enumerate(content) if not isinstance(part.get("text"), str)), None)
-                if bad is not None:  # a number was once rendered as its digits
-                    raise APIError(f"messages.{i}.content.{bad}.text must be a string", param=f"messages.{i}.content")
-                content = "".join(part["text"] for part in content)
+                # Text parts joined, each image part the model's placeholder (a text-only model:
+                # a 400); a text that is not a string (a number was once rendered as its digits)
+                # is a 400 too.
+                try:
+                    content, urls = content_parts_to_text(content, mm.placeholder_text if mm else None, where)
+                    if len(images) + len(urls) > self.engine.engine.config.image_limit:
+                        raise ValueError(
+                            f"the messages have more than {self.engine.engine.config.image_limit} images "
+                            "(limit_mm_per_prompt)"
+                        )
+                    images += [self.images.load(url, f"{where} image_url") for url in urls]
+                except ValueError as exc:
+                    raise APIError(str(exc), param=where) from None
             messages.append(template_message(m, i, {"role": m.role, "content": content or ""}))
         add_generation_prompt = req.add_generation_prompt
         if req.continue_final_message:
@@ -509,7 +522,10 @@ class OpenAIServing:
             )
         except Exception as exc:
             raise APIError(f"cannot apply the chat template: {exc}", param="messages") from None
-        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        prompt = {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        return prompt
 
     def _chat_logprobs(self, c: CompletionOutput, k: int | None, as_ids: bool = False) -> ChatLogprobs | None:
         """``as_ids``: every token as ``"token_id:123"`` (``return_tokens_as_token_ids``)."""
