@@ -153,3 +153,16 @@ def test_text_only_model_refuses_images(llama_dir):
     with LLM(str(llama_dir), device="cpu") as llm:
         with pytest.raises(ValueError, match="takes no images"):
             llm.generate({"prompt": "hi", "multi_modal_data": {"image": IMAGES[0]}}, GREEDY, use_tqdm=False)
+
+
+def test_only_steps_covering_image_positions_merge_embeddings(llava_dir):
+    """Text prompts on a vision-language model, and the decode steps of a prompt with an image,
+    run the plain forward: no encoder, no merged embeddings."""
+    with LLM(str(llava_dir), device="cpu", block_size=4) as llm:
+        model, merges = llm.engine.core.runner.model, []
+        merge = model.merge_multimodal_embeddings
+        model.merge_multimodal_embeddings = lambda *args: merges.append(args[0].numel()) or merge(*args)
+        llm.generate(["class A: pass", "def f(): return 1"], GREEDY, use_tqdm=False)
+        assert merges == [] and llm.engine.core.runner.num_encoded_images == 0
+        out = llm.generate(prompts()[1], GREEDY, use_tqdm=False)[0]
+        assert merges == [len(out.prompt_token_ids)]  # the one prefill step; the 8 decode steps never
