@@ -156,3 +156,14 @@ def test_the_same_image_again_is_an_encoder_cache_hit(server):
     assert chat(server, part, text="again ").status_code == 200
     time.sleep(0.5)  # the stats of the last step reach the API process with its outputs
     assert encoder_counters() == (queries + 2, hits + 1)
+
+
+def test_image_fetcher_keeps_to_its_allowed_domains_and_limits(images_url):
+    from pagelm.plugins.server.media import ImageFetcher
+
+    with pytest.raises(ValueError, match="'127.0.0.1' is not among the allowed media domains"):
+        ImageFetcher(allowed_domains=("images.example.com",)).load(f"{images_url}/image.png", "part")
+    with pytest.raises(ValueError, match="does not fetch http"):
+        ImageFetcher(allow_http=False).load(f"{images_url}/image.png", "part")
+    image = ImageFetcher(allowed_domains=("127.0.0.1",)).load(f"{images_url}/image.png", "part")
+    assert image.size == IMAGE.size and image.tobytes() == IMAGE.tobytes()

@@ -123,6 +123,10 @@ def add_parser(sub) -> None:
         "--fetch-image-urls", action=argparse.BooleanOptionalAction, default=True,
         help="fetch http(s) image_url parts; --no-fetch-image-urls takes data: URLs only (default: on)",
     )
+    server.add_argument(
+        "--allowed-media-domains", type=lambda text: tuple(d for d in text.split(",") if d),
+        help="comma-separated hosts http(s) image_url parts may name (default: any)",
+    )
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -195,7 +199,9 @@ def run(args: argparse.Namespace) -> int:
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         max_sequences_per_request=args.max_sequences_per_request,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-        image_fetcher=ImageFetcher(args.max_image_bytes, args.image_fetch_timeout, args.fetch_image_urls),
+        image_fetcher=ImageFetcher(
+            args.max_image_bytes, args.image_fetch_timeout, args.fetch_image_urls, args.allowed_media_domains
+        ),
     )
     server = _draining_server_class()(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,11 +24,14 @@ DEFAULT_FETCH_TIMEOUT_S = 10.0
 class ImageFetcher:
     """``max_bytes``: the largest image file taken (a data URL's decoded payload too);
     ``timeout_s``: the most one http(s) fetch may take, connecting and reading together;
-    ``allow_http``: whether http(s) URLs are fetched at all (``data:`` URLs always work)."""
+    ``allow_http``: whether http(s) URLs are fetched at all (``data:`` URLs always work);
+    ``allowed_domains``: the hosts http(s) URLs may name (None: any; a server reachable by
+    untrusted clients should list them, or it fetches whatever its own network can reach)."""
 
     max_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
     allow_http: bool = True
+    allowed_domains: tuple[str, ...] | None = None
 
     def load(self, url: str, what: str) -> "Image.Image":
         if url.startswith("data:"):
@@ -38,6 +42,9 @@ class ImageFetcher:
             raise ValueError(f"{what} must be a data:image/...;base64 URL or an http(s) URL, got {url[:40]!r}")
         if not self.allow_http:
             raise ValueError(f"{what}: this server does not fetch http(s) URLs; send the image as a data: URL")
+        host = urllib.parse.urlsplit(url).hostname
+        if self.allowed_domains is not None and host not in self.allowed_domains:
+            raise ValueError(f"{what}: {host!r} is not among the allowed media domains ({', '.join(self.allowed_domains)})")
         return decode_image(self._fetch(url, what), what)
 
     def _fetch(self, url: str, what: str) -> bytes:
