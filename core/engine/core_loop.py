@@ -207,5 +207,9 @@ def encode_stats(stats: SchedulerStats) -> list:
 
 
 def decode_stats(data: list) -> SchedulerStats:
-    *fields, offload = data
-    return SchedulerStats(*fields, KVOffloadStats(*offload))
+    fields = list(data)
+    fields[_KV_OFFLOAD] = KVOffloadStats(*fields[_KV_OFFLOAD])
+    return SchedulerStats(*fields)
+
+
+_KV_OFFLOAD = [f.name for f in dataclasses.fields(SchedulerStats)].index("kv_offload")
