@@ -117,6 +117,28 @@ def test_random_arrivals_aborts_and_preemptions_with_two_batches_in_flight_equal
     assert finished == {rid: plain[rid] for rid in finished}
 
 
+def test_the_running_requests_split_into_two_micro_batches(llama_dir):
+    prompts = _prompts(8)
+    with LLM(str(llama_dir), dtype="float32", pipeline_parallel_size=2) as llm:
+        core = llm.engine.core
+        launched = []  # (requests in the step, steps with work already in flight)
+        launch = core.runner.launch
+
+        def recording_launch(sched, **kw):
+            if not sched.is_empty:
+                launched.append((len(sched.num_scheduled_tokens), sum(p.output is None for p in core._batch_queue)))
+            return launch(sched, **kw)
+
+        core.runner.launch = recording_launch
+        got = _ids(llm, prompts)
+    assert got == _run(llama_dir, prompts)
+    # All 8 prompts are admitted in the first step; from then on each step takes half of
+    # the running requests while the other half is in flight.
+    assert launched[0] == (8, 0)
+    decode_steps = launched[2:]
+    assert {size for size, _ in decode_steps} == {4} and all(in_flight == 1 for _, in_flight in decode_steps[1:])
+
+
 def _ids_of(outs):
     return [o.outputs[0].token_ids for o in outs]
 

@@ -178,9 +178,14 @@ class Scheduler:
             self._failed.append(req)
 
     def _schedule_running(self, out: SchedulerOutput, step: "_StepState") -> None:
+        # With pipeline parallelism each of the pp steps in flight takes its share of the
+        # running requests, so that the stages always have a micro-batch to work on.
+        limit = len(self.running)
+        if self.await_samples:
+            limit = -(-limit // self.config.pipeline_parallel_size)
         # Decodes first, then unfinished prefills: a long prompt never starves decodes.
         for req in sorted(self.running, key=lambda r: r.num_tokens_with_placeholders - r.num_computed_tokens > 1):
-            if step.budget == 0:
+            if step.budget == 0 or len(out.num_scheduled_tokens) >= limit:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
