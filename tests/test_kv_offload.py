@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pagelm import LLM, SamplingParams, hookimpl
 from pagelm.config import EngineConfig
 from pagelm.engine.core_loop import SchedulerStats
-from pagelm.kv_cache import KVCacheManager, cdiv, make_block_hasher
+from pagelm.kv_cache import BlockPool, KVCacheManager, cdiv, make_block_hasher
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.kv_offload import CPUOffload
 from pagelm.plugins.kv_offload.cost import SwapCost
@@ -226,6 +226,52 @@ def test_abort_right_after_the_swap_out_step_frees_both_tiers(llama_dir):
     assert aborted
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_blocks
     assert tier.num_free_blocks == tier.pool.num_blocks and not tier.swapped
+
+
+# ---- the tier's ordering rules within one step -----------------------------------------------
+
+
+def _tier(num_blocks: int) -> CPUTier:
+    return CPUTier(num_blocks, BS, 1024, SwapCost(1024, 1e6, 1e9, 1e9))
+
+
+def _request(req_id: str, prompt: list[int]) -> Request:
+    return Request(req_id, prompt, SamplingParams(max_tokens=4), block_hasher=make_block_hasher(BS))
+
+
+def test_a_spill_never_evicts_the_tier_block_a_load_reads_in_the_same_step():
+    tier, req = _tier(2), _request("a", list(range(9)))
+    h1, h2 = req.block_hashes
+    tier.spill(5, h1)
+    tier.spill(6, h2)
+    tier.take_transfers()
+    h1_block = tier.pool.get_cached_block(h1)
+    tier.load(req, 0, [10])  # reads h1's tier block this step (the LRU one)
+    tier.spill(7, b"another prefix block")  # needs a tier block: evicts h2's, not h1's
+    transfers = tier.take_transfers()
+    assert transfers.swap_in == [(h1_block.block_id, 10)]
+    assert transfers.swap_out == [(7, tier.pool.get_cached_block(b"another prefix block").block_id)]
+    assert transfers.swap_out[0][1] != h1_block.block_id
+    assert tier.count_hits([h1, h2]) == 1 and tier.num_free_blocks == 2
+
+
+def test_a_block_loaded_and_swapped_out_again_in_one_step_is_shared_not_copied():
+    tier = _tier(4)
+    gpu = BlockPool(8, enable_caching=True)
+    req = _request("a", list(range(7)))
+    first = gpu.get_new_blocks(2)
+    assert tier.swap_out("a", first, 7, force=True)
+    swapped_blocks = list(tier.swapped["a"][0])
+    assert len(tier.take_transfers().swap_out) == 2
+    again = gpu.get_new_blocks(2)
+    tier.load(req, 0, [b.block_id for b in again])  # resumed...
+    assert tier.swap_out("a", again, 7, force=True)  # ...and preempted again before its copy ran
+    transfers = tier.take_transfers()
+    assert transfers.swap_out == [] and len(transfers.swap_in) == 2
+    assert tier.swapped["a"][0] == swapped_blocks  # the same tier blocks, still holding its KV
+    assert tier.num_free_blocks == 2
+    tier.free("a")
+    assert tier.num_free_blocks == 4
 
 
 # ---- both pools' books, step by step ---------------------------------------------------------

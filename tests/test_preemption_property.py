@@ -2,8 +2,9 @@
 
 Each case draws a handful of prompts that share prefixes (so prefix-cache hits happen, also
 within one step), adds them at random steps with random priorities into an engine with a
-small KV pool, chunked prefill and a random policy (every built-in one and ``chaos``, which
-preempts at random), some of them aborted part-way. Every request that was not aborted must
+small KV pool, chunked prefill, a random policy (every built-in one and ``chaos``, which
+preempts at random) and, often, a CPU tier that victims are swapped to and evicted prefix
+blocks spill to, some of them aborted part-way. Every request that was not aborted must
 produce exactly the greedy tokens of its prompt run alone, and once the engine is idle every
 KV block is free again.
 """
@@ -97,6 +98,9 @@ case_st = st.fixed_dictionaries({
     "max_num_batched_tokens": st.sampled_from([6, 16, 64]),
     "long_prefill_token_threshold": st.sampled_from([0, 4, 8]),
     "seed": st.integers(0, 2**16),
+    # A CPU tier (swap preemption, prefix spill) of none, a few or plenty of blocks.
+    "cpu_blocks": st.sampled_from([0, 0, 6, 64]),
+    "preemption_mode": st.sampled_from(["auto", "swap", "recompute"]),
 })
 
 
@@ -109,6 +113,8 @@ def _engine_args(case: dict) -> dict:
         enable_prefix_caching=case["prefix_caching"], scheduling_policy=case["policy"],
         async_scheduling=case["async_scheduling"], plugin_config={"chaos_seed": case["seed"]},
     )
+    if case["cpu_blocks"]:
+        args.update(num_cpu_blocks=case["cpu_blocks"], preemption_mode=case["preemption_mode"])
     if case["speculative"]:
         args["speculative_config"] = {
             "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
@@ -161,3 +167,5 @@ def test_random_arrivals_and_preemptions_give_the_solo_outputs(llama_dir, solo, 
     kv = core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
     assert not kv.req_to_blocks
+    if kv.offload is not None:  # the CPU tier: nobody swapped, every block free
+        assert not kv.offload.swapped and kv.offload.num_free_blocks == case["cpu_blocks"]

@@ -33,7 +33,8 @@ class CPUCopier(KVCopier):
         self.cpu_caches = []
         for cache in kv_caches:
             shape = (num_blocks, *(n for d, n in enumerate(cache.shape) if d != block_dim))
-            self.cpu_caches.append(torch.zeros(shape, dtype=cache.dtype, pin_memory=cuda))
+            # Uninitialised: a tier block is read only after a copy has written it.
+            self.cpu_caches.append(torch.empty(shape, dtype=cache.dtype, pin_memory=cuda))
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.copied = torch.cuda.Event() if cuda else None
         # GPU blocks read by queued swap-outs that no forward pass has waited for yet.

@@ -135,6 +135,8 @@ class CPUTier(KVOffloadTier):
         return out
 
     def _spill_now(self, block_id: int, block_hash: BlockHash) -> None:
+        if block_id in self._loading:  # loaded this step: its KV is only in a tier block yet
+            return
         cached = self.pool.get_cached_block(block_hash)
         if cached is not None:  # already here: only its LRU position moves
             if cached.ref_cnt == 0:
