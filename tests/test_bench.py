@@ -186,3 +186,19 @@ def test_throughput_fixed_runs_end_to_end_against_hf(llama_dir, tmp_path):
     )
     assert pagelm["output_tokens_per_s"] > 0 and hf["output_tokens_per_s"] > 0
     assert pagelm["total_tokens_per_s"] == pytest.approx(52 / pagelm["elapsed_s"])
+
+
+def test_llava_preset_processes_an_image_into_576_embeddings(tmp_path):
+    """What `pagelm bench multimodal --model llava-1.5-7b` needs before any weight: CLIP's
+    processor from the preset directory, with no tokenizer."""
+    import numpy as np
+    from PIL import Image
+
+    from pagelm.models.llava import LlavaProcessor
+
+    path = materialize("llava-1.5-7b", tmp_path)
+    processor = LlavaProcessor(path, AutoConfig.from_pretrained(path), tokenizer=None)
+    image = Image.fromarray(np.zeros((480, 640, 3), dtype=np.uint8))
+    ids, features = processor.process([1, 32000, 2], [image])
+    assert features[0].data["pixel_values"].shape == (3, 336, 336)
+    assert (features[0].offset, features[0].length, len(ids)) == (1, 576, 578)
