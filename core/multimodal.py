@@ -256,5 +256,6 @@ class SupportsMultiModal(ABC):
         ``multimodal_embeddings`` (``[is_multimodal.sum(), hidden]``, in token order) at the
         positions ``is_multimodal`` marks."""
         inputs_embeds = self.get_input_embeddings()(input_ids)
-        inputs_embeds[is_multimodal] = multimodal_embeddings.to(inputs_embeds.dtype)
-        return inputs_embeds
+        # masked_scatter, not ``inputs_embeds[mask] = ...``: a boolean index waits for the
+        # device to count the mask (a host sync); the scatter does not.
+        return inputs_embeds.masked_scatter_(is_multimodal.unsqueeze(-1), multimodal_embeddings.to(inputs_embeds.dtype))
