@@ -11,18 +11,16 @@ runner holds no embeddings the scheduler has forgotten.
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from pagelm import LLM, SamplingParams, hookimpl
+from chaos_policy import chaos_policy  # noqa: F401 (registers the chaos policy for this module)
+
+from pagelm import LLM, SamplingParams
 from pagelm.models.testing import build_tiny_llava
-from pagelm.plugin_manager import get_plugin_manager
-from pagelm.plugins.policies.fcfs import FCFSPolicy
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 96
@@ -32,33 +30,6 @@ IMAGES = [
     Image.fromarray(np.random.RandomState(s).randint(0, 256, (h, w, 3), dtype=np.uint8))
     for s, h, w in ((0, 40, 60), (1, 28, 28), (2, 90, 30), (0, 40, 60))
 ]
-
-
-class RandomVictimPolicy(FCFSPolicy):
-    name = "mm-chaos"
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        self.rng = random.Random(config.plugin_config.get("chaos_seed", 0))
-
-    def select_victim(self, running):
-        return self.rng.choice(running)
-
-    def select_victim_for(self, request, running):
-        return self.rng.choice(running) if running and self.rng.random() < 0.5 else None
-
-
-class _Plugin:
-    @hookimpl
-    def pagelm_register_scheduling_policies(self, registry) -> None:
-        registry.add(RandomVictimPolicy.name, RandomVictimPolicy)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def chaos_policy():
-    get_plugin_manager().register(_Plugin(), name="test-mm-chaos-policy")
-    yield
-    get_plugin_manager().unregister(name="test-mm-chaos-policy")
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +83,7 @@ request_st = st.fixed_dictionaries({
 
 case_st = st.fixed_dictionaries({
     "requests": st.lists(request_st, min_size=1, max_size=5),
-    "policy": st.sampled_from(["fcfs", "mm-chaos"]),
+    "policy": st.sampled_from(["fcfs", "chaos"]),
     "prefix_caching": st.booleans(),
     "async_scheduling": st.booleans(),
     "num_kv_blocks": st.integers(MAX_MODEL_LEN // BLOCK_SIZE, 48),

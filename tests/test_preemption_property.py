@@ -11,50 +11,17 @@ KV block is free again.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagelm import LLM, SamplingParams, hookimpl
-from pagelm.plugin_manager import get_plugin_manager
-from pagelm.plugins.policies.fcfs import FCFSPolicy
-from pagelm.request import Request
+from chaos_policy import chaos_policy  # noqa: F401 (registers the chaos policy for this module)
+
+from pagelm import LLM, SamplingParams
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64
 PREFIXES = [[5 + (7 * i) % 50 for i in range(n)] for n in (0, 9, 17)]
-
-
-class ChaosPolicy(FCFSPolicy):
-    """FCFS order, but victims at random: any running request when KV is short, and half
-    the time a running request for the waiting head (equal rank or not)."""
-
-    name = "chaos"
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        self.rng = random.Random(config.plugin_config.get("chaos_seed", 0))
-
-    def select_victim(self, running: list[Request]) -> Request:
-        return self.rng.choice(running)
-
-    def select_victim_for(self, request: Request, running: list[Request]) -> Request | None:
-        return self.rng.choice(running) if running and self.rng.random() < 0.5 else None
-
-
-class _ChaosPlugin:
-    @hookimpl
-    def pagelm_register_scheduling_policies(self, registry) -> None:
-        registry.add(ChaosPolicy.name, ChaosPolicy)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def chaos_policy():
-    get_plugin_manager().register(_ChaosPlugin(), name="test-chaos-policy")
-    yield
-    get_plugin_manager().unregister(name="test-chaos-policy")
 
 
 @pytest.fixture(scope="module")

@@ -80,11 +80,7 @@ class CoreClient:
         self._outputs = asyncio.Queue()
 
     async def get_output(self) -> CoreStep:
-        item = await self._outputs.get()
-        if isinstance(item, BaseException):
-            self._outputs.put_nowait(item)  # every later caller sees it too
-            raise item
-        return item
+        return await next_output(self._outputs)
 
     def add_request(self, request: Request) -> None:
         self._send(ADD, request)
@@ -289,3 +285,13 @@ def _stop_process(proc: subprocess.Popen, sock: socket.socket) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+async def next_output(queue: asyncio.Queue) -> CoreStep:
+    """The next step's outputs from ``queue``; an error put there is raised, and stays for
+    every later caller too (the engine is dead for all of them)."""
+    item = await queue.get()
+    if isinstance(item, BaseException):
+        queue.put_nowait(item)
+        raise item
+    return item

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pagelm.config import EngineConfig
-from pagelm.engine.core_client import CoreStep, EngineDeadError
+from pagelm.engine.core_client import CoreStep, EngineDeadError, next_output
 from pagelm.engine.core_loop import SchedulerStats
 from pagelm.engine.core_output import EngineCoreOutput
 from pagelm.plugin_manager import get_plugin_manager
@@ -161,11 +161,7 @@ class DataParallelCore:
             self._outputs.put_nowait(EngineDeadError(f"data-parallel replica {i}: {exc}"))
 
     async def get_output(self) -> CoreStep:
-        item = await self._outputs.get()
-        if isinstance(item, BaseException):
-            self._outputs.put_nowait(item)  # every later caller sees it too
-            raise item
-        return item
+        return await next_output(self._outputs)
 
     def shutdown(self) -> None:
         tasks, self._tasks = self._tasks, []

@@ -36,6 +36,7 @@ from pagelm.plugin_manager import get_plugin_manager
 from pagelm.request import Request, RequestStatus
 from pagelm.sched.encoder_cache import EncoderCacheManager
 from pagelm.sched.scheduler import Scheduler
+from pagelm.sched.output import SchedulerOutput
 from pagelm.executor import Executor
 from pagelm.worker.pending_step import PendingStep
 from pagelm.worker.worker import encode_scheduler_output, init_message, load_runner, pack
@@ -410,11 +411,7 @@ class EngineCore:
             # proposal after the step in flight, so that one is finished first.
             outputs = self._finish(self._in_flight)
             self._in_flight = None
-        sched_out = self.scheduler.schedule()
-        if sched_out.scheduled_new_reqs:
-            now = time.time()
-            for new in sched_out.scheduled_new_reqs:  # resumed after preemption: keep the first time
-                self._first_scheduled.setdefault(new.req_id, now)
+        sched_out = self._schedule()
         # Launched also when nothing is scheduled: the runner drops finished requests' state.
         # The other ranks get every step, run ahead or not, in the order rank 0 launches them.
         if self.executor is not None:
@@ -443,11 +440,7 @@ class EngineCore:
         to launch and to finish in this order (``pagelm.worker.pipeline_stage``)."""
         queue = self._batch_queue
         if len(queue) < self.config.pipeline_parallel_size:
-            sched_out = self.scheduler.schedule()
-            if sched_out.scheduled_new_reqs:
-                now = time.time()
-                for new in sched_out.scheduled_new_reqs:
-                    self._first_scheduled.setdefault(new.req_id, now)
+            sched_out = self._schedule()
             self._on_other_ranks("step", encode_scheduler_output(sched_out))
             queue.append(self.runner.launch(sched_out, defer_sampling=True))
             if not sched_out.is_empty and len(queue) < self.config.pipeline_parallel_size:
@@ -457,6 +450,16 @@ class EngineCore:
         if pending.output is None:  # every rank takes part in the broadcast of its ids
             self.runner.sample(pending)
         return self._finish(pending)
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's next step, noting when each request was first scheduled (a request
+        resumed after preemption keeps its first time)."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.scheduled_new_reqs:
+            now = time.time()
+            for new in sched_out.scheduled_new_reqs:
+                self._first_scheduled.setdefault(new.req_id, now)
+        return sched_out
 
     def _finish(self, pending: PendingStep) -> list[EngineCoreOutput]:
         """Wait for a launched step's tokens and account for them: stop checks, outputs, freed
