@@ -224,3 +224,20 @@ def test_hook_pagelm_register_routers(llama_dir):
             assert sorted(llm.engine.core.router.finished) == [("0", 1), ("1", 1), ("2", 1)]
     finally:
         plugins.unregister("last-replica-router")
+
+
+def test_replica_stats_sum_field_by_field():
+    # The KV tier's stats are nested; summing them whole raised in the async pump, which
+    # then left every request waiting.
+    from pagelm.engine.core_loop import SchedulerStats
+    from pagelm.engine.data_parallel import sum_stats
+    from pagelm.kv_offload import KVOffloadStats
+
+    a = SchedulerStats(num_running=2, kv_offload=KVOffloadStats(num_blocks=8, block_bytes=4096, hit_blocks=3),
+                       encoder_cache_usage=0.5, spec_num_accepted_tokens_per_pos=[1, 2])
+    b = SchedulerStats(num_running=1, kv_offload=KVOffloadStats(num_blocks=8, block_bytes=4096, hit_blocks=1),
+                       encoder_cache_usage=0.25, spec_num_accepted_tokens_per_pos=[3])
+    total = sum_stats([a, b])
+    assert total.num_running == 3 and total.spec_num_accepted_tokens_per_pos == [4, 2]
+    assert (total.kv_offload.num_blocks, total.kv_offload.block_bytes, total.kv_offload.hit_blocks) == (16, 4096, 4)
+    assert total.encoder_cache_usage == 0.375

@@ -159,6 +159,8 @@ class DataParallelCore:
                 self._outputs.put_nowait(CoreStep(step.outputs, sum_stats(self._stats)))
         except EngineDeadError as exc:
             self._outputs.put_nowait(EngineDeadError(f"data-parallel replica {i}: {exc}"))
+        except Exception as exc:  # a bug here must fail the requests, not leave them waiting
+            self._outputs.put_nowait(EngineDeadError(f"data-parallel replica {i}: {type(exc).__name__}: {exc}"))
 
     async def get_output(self) -> CoreStep:
         return await next_output(self._outputs)
@@ -171,15 +173,27 @@ class DataParallelCore:
             replica.shutdown()
 
 
-def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
-    """The replicas' stats as one engine's: counts and totals summed."""
-    total = SchedulerStats()
-    for field in dataclasses.fields(SchedulerStats):
+def sum_stats(stats: list) -> Any:
+    """The replicas' stats as one engine's: counts and totals summed, lists position by
+    position, nested stats (the KV tier's) field by field; a per-block size and a share of a
+    cache are not sums (the largest, the mean)."""
+    total = type(stats[0])()
+    for field in dataclasses.fields(total):
         values = [getattr(s, field.name) for s in stats]
-        if isinstance(values[0], list):
+        if dataclasses.is_dataclass(values[0]):
+            summed = sum_stats(values)
+        elif isinstance(values[0], list):
             width = max(map(len, values))
             summed = [sum(v[k] for v in values if k < len(v)) for k in range(width)]
+        elif field.name in _NOT_SUMMED:
+            summed = _NOT_SUMMED[field.name](values)
         else:
             summed = sum(values)
         setattr(total, field.name, summed)
     return total
+
+
+_NOT_SUMMED: dict[str, Callable[[list], Any]] = {
+    "block_bytes": max,
+    "encoder_cache_usage": lambda values: sum(values) / len(values),
+}
