@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from chaos_policy import chaos_policy  # noqa: F401 (registers the chaos policy for this module)
+from chaos_policy import chaos_policy, drive  # noqa: F401 (chaos_policy registers the policy here)
 
 from pagelm import LLM, SamplingParams
 from pagelm.models.testing import build_tiny_llava
@@ -107,25 +107,13 @@ def run_case(llava_dir, image_token: int, case: dict):
     )
     engine = llm.engine
     pending = sorted(enumerate(case["requests"]), key=lambda item: item[1]["arrival"])
-    finished, aborted, live, step = {}, set(), {}, 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][1]["arrival"] <= step:
-            i, r = pending.pop(0)
-            prompt, images = build_prompt(r, image_token)
-            sp = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
-            engine.add_request(str(i), {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}, sp)
-            if r["abort_at"] is not None:
-                live[str(i)] = step + r["abort_at"]
-        for req_id, when in list(live.items()):
-            if when <= step and req_id not in finished:
-                engine.abort_request([req_id])
-                aborted.add(req_id)
-                del live[req_id]
-        for out in engine.step():
-            if out.finished and out.request_id not in aborted:
-                finished[out.request_id] = list(out.outputs[0].token_ids)
-        step += 1
-        assert step < 3000, f"the engine made no progress in 3000 steps: {case}"
+
+    def add(i, r):
+        prompt, images = build_prompt(r, image_token)
+        sp = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
+        engine.add_request(str(i), {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}, sp)
+
+    finished, aborted = drive(engine, pending, add, 3000, case)
     return finished, aborted, engine.core
 
 

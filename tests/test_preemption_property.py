@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chaos_policy import chaos_policy  # noqa: F401 (registers the chaos policy for this module)
+from chaos_policy import chaos_policy, drive  # noqa: F401 (chaos_policy registers the policy here)
 
 from pagelm import LLM, SamplingParams
 
@@ -95,28 +95,12 @@ def run_case(llama_dir, case: dict) -> tuple[dict[str, list[int]], set[str], obj
     llm = LLM(str(llama_dir), **_engine_args(case))
     engine = llm.engine
     pending = sorted(enumerate(case["requests"]), key=lambda item: item[1]["arrival"])
-    finished: dict[str, list[int]] = {}
-    aborted: set[str] = set()
-    live: dict[str, int] = {}  # req_id -> the step at which it is aborted
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][1]["arrival"] <= step:
-            i, r = pending.pop(0)
-            prompt = PREFIXES[r["prefix"]] + r["tail"]
-            sp = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, sp, priority=r["priority"])
-            if r["abort_at"] is not None:
-                live[str(i)] = step + r["abort_at"]
-        for req_id, when in list(live.items()):
-            if when <= step and req_id not in finished:
-                engine.abort_request([req_id])
-                aborted.add(req_id)
-                del live[req_id]
-        for out in engine.step():
-            if out.finished and out.request_id not in aborted:
-                finished[out.request_id] = list(out.outputs[0].token_ids)
-        step += 1
-        assert step < 5000, f"the engine made no progress in 5000 steps: {case}"
+
+    def add(i, r):
+        sp = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
+        engine.add_request(str(i), {"prompt_token_ids": PREFIXES[r["prefix"]] + r["tail"]}, sp, priority=r["priority"])
+
+    finished, aborted = drive(engine, pending, add, 5000, case)
     return finished, aborted, engine.core
 
 
