@@ -102,6 +102,9 @@ class EngineConfig:
     data_parallel_router: str = "least_loaded"
     distributed_executor_backend: str | None = None
     distributed_timeout: float = 300.0
+    # Tensor parallel on CUDA: small all-reduces over symmetric memory instead of NCCL
+    # (pagelm.distributed); True keeps NCCL for every all-reduce.
+    disable_custom_all_reduce: bool = False
     # Vision-language models (pagelm.multimodal): images one prompt may carry per modality
     # (None: {"image": 16}), embeddings the vision encoder may make per step, and embeddings
     # the encoder cache holds (None: max_num_batched_tokens, at least 16,384, so that one

@@ -6,7 +6,10 @@ model runner); an executor (``pagelm.executor``) starts the others. Every rank h
 same config and runs the same runner calls in the same order, so its collectives meet the
 others' inside the model. Collectives go through ``torch.distributed``: NCCL on CUDA, gloo
 on the CPU (how CI tests scale-out). With one rank nothing is initialised and the
-collectives return their input.
+collectives return their input. A small all-reduce on CUDA (a decode step's [tokens, hidden])
+goes through torch's symmetric memory instead of NCCL: each rank reads the others' buffers
+over NVLink in one kernel (8.6 us against NCCL's 14.7 us per 8 KiB inside a CUDA graph on two
+H100s; 64 of them per Llama-8B decode step). ``disable_custom_all_reduce`` turns it off.
 
 Ranks are laid out stage-major: rank ``r`` is tensor-parallel rank ``r % tp`` of pipeline
 stage ``r // tp``, so the ``tp`` ranks of a stage are neighbours (one host's GPUs) and rank
@@ -21,8 +24,17 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import logging
+import warnings
+
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# All-reduces of at most this many bytes take the symmetric-memory path (above it NCCL's
+# bandwidth wins or the gain is small: 37 against 41 us at 4 MiB).
+SYMM_MEM_MAX_BYTES = 512 * 1024
 
 
 @dataclass(frozen=True)
@@ -60,12 +72,18 @@ def parallel_state() -> ParallelState:
     return _state
 
 
+# dtype -> this rank's symmetric-memory buffer (made on first use, in the eager profile run
+# that comes before any CUDA graph is captured); None: the path is off or unavailable.
+_symm_buffers: dict[torch.dtype, torch.Tensor] | None = None
+
+
 def init_distributed(
-    rank: int, tp_size: int, pp_size: int, init_method: str, device: torch.device, timeout: float
+    rank: int, tp_size: int, pp_size: int, init_method: str, device: torch.device, timeout: float,
+    custom_all_reduce: bool = True,
 ) -> None:
     """Join the ranks' process group (blocks until all ``tp_size * pp_size`` have joined); a
     collective waiting longer than ``timeout`` seconds raises."""
-    global _state
+    global _state, _symm_buffers
     world_size = tp_size * pp_size
     tp_group = None
     if world_size > 1:
@@ -82,20 +100,57 @@ def init_distributed(
                 if stage == rank // tp_size:
                     tp_group = group
     _state = ParallelState(rank % tp_size, tp_size, rank // tp_size, pp_size, tp_group)
+    _symm_buffers = {} if custom_all_reduce and tp_size > 1 and device.type == "cuda" else None
 
 
 def destroy_distributed() -> None:
-    global _state
+    global _state, _symm_buffers
+    _symm_buffers = None
     if dist.is_initialized():
         dist.destroy_process_group()
     _state = ParallelState()
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of ``x`` over this stage's tensor-parallel ranks, in place."""
-    if _state.tp_size > 1:
-        dist.all_reduce(x, group=_state.tp_group)
+    """The sum of ``x`` over this stage's tensor-parallel ranks: ``x`` itself, summed in place,
+    or (the symmetric-memory path) a new tensor; use the returned one."""
+    if _state.tp_size == 1:
+        return x
+    if _symm_buffers is not None and x.numel() * x.element_size() <= SYMM_MEM_MAX_BYTES and x.is_contiguous():
+        buffer = _symm_buffers.get(x.dtype)
+        if buffer is None:
+            buffer = _symm_buffer(x.dtype, x.device)
+        if buffer is not None:
+            # One kernel: x is copied into this rank's buffer, then every rank sums all buffers.
+            return torch.ops.symm_mem.one_shot_all_reduce_copy(buffer[: x.numel()].view_as(x), x, "sum", _group_name())
+    dist.all_reduce(x, group=_state.tp_group)
     return x
+
+
+def _group_name() -> str:
+    return (_state.tp_group or dist.group.WORLD).group_name
+
+
+def _symm_buffer(dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """This rank's buffer for ``dtype``, made and exchanged with the other ranks (a collective:
+    every rank reaches it at the same all-reduce). None, and NCCL from then on, where this
+    torch or machine has no symmetric memory."""
+    global _symm_buffers
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9
+                symm_mem.enable_symm_mem_for_group(_group_name())
+            buffer = symm_mem.empty(SYMM_MEM_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
+            symm_mem.rendezvous(buffer, _group_name())
+    except Exception as e:  # an old torch, no P2P between the GPUs: NCCL serves every size
+        logger.warning("symmetric-memory all-reduce unavailable (%s); NCCL for every all-reduce", e)
+        _symm_buffers = None
+        return None
+    _symm_buffers[dtype] = buffer
+    return buffer
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -44,6 +44,8 @@ _HELP = {
     "data_parallel_router": "registered router picking each request's replica: round_robin, least_loaded, prefix_affinity",
     "distributed_executor_backend": "how ranks are started: uni (one), mp (local processes), or a registered executor",
     "distributed_timeout": "seconds a collective may wait for the other ranks before the step fails",
+    "disable_custom_all_reduce": "tensor parallel on CUDA: NCCL for every all-reduce (default: small ones over "
+    "symmetric memory)",
     "enforce_eager": "--enforce-eager: never use CUDA graphs; --no-enforce-eager: require them (unset: when possible)",
     "async_scheduling": "--async-scheduling: schedule the next step while one runs on the device (also on CPU); "
     "--no-async-scheduling: never (unset: with CUDA graphs, without speculative decoding)",

@@ -75,7 +75,8 @@ def run_worker(
     device = rank_device(config, rank) if device is None else device
     assert world_size == config.world_size
     init_distributed(
-        rank, config.tensor_parallel_size, config.pipeline_parallel_size, init_method, device, config.distributed_timeout
+        rank, config.tensor_parallel_size, config.pipeline_parallel_size, init_method, device,
+        config.distributed_timeout, not config.disable_custom_all_reduce,
     )
     try:
         hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)

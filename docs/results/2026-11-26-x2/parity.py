@@ -31,6 +31,9 @@ def run(model_dir, prompts, max_tokens, **kw):
 
 
 def engine(job_path):
+    import faulthandler
+
+    faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where it is
     job = json.loads(Path(job_path).read_text())
     ids = _generate(job["model"], job["prompts"], job["max_tokens"], **job["kw"])
     (Path(job_path).parent / "ids.json").write_text(json.dumps(ids))
@@ -39,11 +42,13 @@ def engine(job_path):
 def _generate(model_dir, prompts, max_tokens, **kw):
     t = time.time()
     llm = LLM(str(model_dir), seed=0, **kw)
+    print(f"  {kw}: engine built in {time.time() - t:.1f} s", flush=True)
     try:
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        print(f"  {kw}: generated at {time.time() - t:.1f} s", flush=True)
     finally:
         llm.shutdown()
-    print(f"  {kw}: {time.time() - t:.1f} s", flush=True)
+    print(f"  {kw}: shut down at {time.time() - t:.1f} s", flush=True)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
