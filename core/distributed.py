@@ -104,17 +104,10 @@ def init_distributed(
 
 
 def destroy_distributed() -> None:
-    """Leave the process group. NCCL's groups are aborted, not destroyed: on two H100s both
-    ranks of a TP=2 engine waited forever inside ``destroy_process_group`` (torch 2.11), while
-    an abort returns at once; every rank has finished its last step by now."""
     global _state, _symm_buffers
     _symm_buffers = None
     if dist.is_initialized():
-        if dist.get_backend() == "nccl":
-            torch.cuda.synchronize()
-            dist.distributed_c10d._abort_process_group()
-        else:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
     _state = ParallelState()
 
 

@@ -153,7 +153,8 @@ class EngineCore:
 
     def _stop_ranks(self) -> None:
         """The ranks told to stop first, then every rank leaves the process group at the same
-        time (``destroy_distributed``), then the executor reaps them."""
+        time: NCCL's teardown waits for the peers, so rank 0 joining the ranks before leaving
+        (while they wait for it inside theirs) hung a TP=2 engine's shutdown on two H100s."""
         if self.executor is not None:
             try:
                 self._on_other_ranks("shutdown")
