@@ -165,6 +165,8 @@ def test_weights_are_assigned_to_stages_by_layer_index():
         ({"pipeline_parallel_size": 3}, "pipeline_parallel_size=3 is more than the model's 2 layers"),
         ({"pipeline_parallel_size": 2, "distributed_executor_backend": "uni"}, "'uni' runs one rank"),
         ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be >= 1"),
+        ({"pipeline_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+         r"speculative_config \(method='ngram'\) does not run under pipeline parallelism yet \(pipeline_parallel_size=2\)"),
     ],
 )
 def test_bad_pipeline_config_is_a_clear_error(llama_dir, kw, match):

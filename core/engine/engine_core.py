@@ -39,7 +39,7 @@ from pagelm.sched.scheduler import Scheduler
 from pagelm.sched.output import SchedulerOutput
 from pagelm.executor import Executor
 from pagelm.worker.pending_step import PendingStep
-from pagelm.worker.worker import encode_scheduler_output, init_message, load_runner, pack
+from pagelm.worker.worker import encode_scheduler_output, freeze_grammar_bitmask, init_message, load_runner, pack
 
 logger = logging.getLogger("pagelm")
 
@@ -79,7 +79,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.executor = self._start_ranks(plugins, proposer_cls)
         try:
-            use_cuda_graphs = self._load(proposer_cls)
+            use_cuda_graphs = self._load()
         except BaseException:
             self._stop_ranks()
             raise
@@ -117,20 +117,16 @@ class EngineCore:
         )
         plugins.notify("pagelm_engine_started", engine=self)
 
-    def _load(self, proposer_cls) -> bool:
+    def _load(self) -> bool:
         """The model on every rank, its KV cache sized and allocated, graphs captured;
         whether CUDA graphs are used."""
         config = self.config
+        # A draft model (EAGLE) shares the target's embedding and LM head; its attention
+        # layers (among ``layers``) get KV caches next to the target's.
         self.runner, layers = load_runner(
             config, self.hf_config, self.device, self.dtype, self.eos_token_ids, self.max_model_len
         )
         use_cuda_graphs = self._use_cuda_graphs(self.runner.backend)
-        # A draft model (EAGLE) shares the target's embedding and LM head; its attention
-        # layers get KV caches next to the target's.
-        if proposer_cls is not None:
-            proposer = proposer_cls(config, self.runner.model, self.device, self.dtype)
-            self.runner.enable_speculative_decoding(proposer)
-            layers = layers + list(proposer.attention_layers())
         self.num_kv_blocks = self._num_kv_blocks(layers)
         if self.num_kv_blocks * config.block_size < self.max_model_len:
             raise ValueError(
@@ -169,8 +165,11 @@ class EngineCore:
         config = self.config
         executor_cls = plugins.executors().get(config.executor_backend)
         problems = executor_cls.validate(config)
-        if config.world_size > 1 and proposer_cls is not None:
-            problems.append("speculative decoding does not run under tensor or pipeline parallelism yet")
+        if config.pipeline_parallel_size > 1 and proposer_cls is not None:
+            problems.append(
+                f"speculative_config (method={config.speculative.method!r}) does not run under pipeline parallelism "
+                f"yet (pipeline_parallel_size={config.pipeline_parallel_size}); it does under tensor parallelism"
+            )
         if config.pipeline_parallel_size > 1 and config.async_scheduling:
             problems.append("async_scheduling does not run under pipeline parallelism yet")
         if problems:
@@ -329,9 +328,10 @@ class EngineCore:
             )
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"request {request.request_id}: prompt token ids must be in [0, {self.vocab_size})")
-        if self.executor is not None and request.sampling_params.guided_decoding is not None:
+        if self.config.pipeline_parallel_size > 1 and request.sampling_params.guided_decoding is not None:
             raise ValueError(
-                f"request {request.request_id}: guided decoding does not run under tensor parallelism yet"
+                f"request {request.request_id}: guided decoding does not run under pipeline parallelism yet "
+                f"(pipeline_parallel_size={self.config.pipeline_parallel_size}); it does under tensor parallelism"
             )
         params = request.sampling_params
         if self.config.pipeline_parallel_size > 1 and (params.logprobs is not None or params.prompt_logprobs is not None):
@@ -418,19 +418,25 @@ class EngineCore:
             outputs = self._finish(self._in_flight)
             self._in_flight = None
         sched_out = self._schedule()
+        guided = bool(sched_out.structured_output_request_ids)
         # Launched also when nothing is scheduled: the runner drops finished requests' state.
-        # The other ranks get every step, run ahead or not, in the order rank 0 launches them.
+        # The other ranks get every step, run ahead or not, in the order rank 0 launches them;
+        # a guided step goes with its bitmask, which needs the previous step's tokens.
         if self.executor is not None:
+            if guided and self._in_flight is not None:
+                outputs += self._finish(self._in_flight)
+                self._in_flight = None
+            freeze_grammar_bitmask(sched_out)
             self._on_other_ranks("step", encode_scheduler_output(sched_out))
         run_ahead = (
             self.async_scheduling and not sched_out.is_empty and not sched_out.needs_previous_tokens
             and not sched_out.scheduled_spec_decode_tokens  # verification runs synchronously
+            and not (guided and self.executor is not None)  # its bitmask is collected already
         )
         if run_ahead:
             # Guided requests' bitmasks need the previous step's tokens: this step's forward
             # pass is queued now, its sampling in the next launch (once that step's inputs are
             # staged: the grammars get all the host work of a step) or the next _finish.
-            guided = bool(sched_out.structured_output_request_ids)
             previous, self._in_flight = self._in_flight, self.runner.launch(sched_out, defer_sampling=guided)
             # The device runs the step just launched while the host finishes the previous one.
             return outputs + self._finish(previous) if previous is not None else outputs
