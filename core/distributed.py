@@ -196,3 +196,16 @@ def broadcast_from_last_stage(x: torch.Tensor) -> torch.Tensor:
     copy of each request's tokens in step, and rank 0's scheduler reads them)."""
     dist.broadcast(x, _state.last_stage_rank)
     return x
+
+
+def last_stage_to_rank0(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The last stage's ``tensors`` on rank 0 (results only the engine core reads: logprobs,
+    prompt logprobs); rank 0 passes empty tensors of the right shapes and dtypes, which are
+    filled. The last stage's first rank sends; every other rank passes through."""
+    if _state.rank == _state.last_stage_rank:
+        for t in tensors:
+            dist.send(t.contiguous(), 0)
+    elif _state.rank == 0:
+        for t in tensors:
+            dist.recv(t, _state.last_stage_rank)
+    return tensors

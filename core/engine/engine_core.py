@@ -328,16 +328,6 @@ class EngineCore:
             )
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"request {request.request_id}: prompt token ids must be in [0, {self.vocab_size})")
-        if self.config.pipeline_parallel_size > 1 and request.sampling_params.guided_decoding is not None:
-            raise ValueError(
-                f"request {request.request_id}: guided decoding does not run under pipeline parallelism yet "
-                f"(pipeline_parallel_size={self.config.pipeline_parallel_size}); it does under tensor parallelism"
-            )
-        params = request.sampling_params
-        if self.config.pipeline_parallel_size > 1 and (params.logprobs is not None or params.prompt_logprobs is not None):
-            raise ValueError(
-                f"request {request.request_id}: logprobs and prompt_logprobs do not run under pipeline parallelism yet"
-            )
         if request.max_tokens is not None and request.max_tokens < 1:
             raise ValueError(f"request {request.request_id}: max_tokens must be >= 1, got {request.max_tokens}")
         if request.mm_features:
@@ -453,6 +443,8 @@ class EngineCore:
         queue = self._batch_queue
         if len(queue) < self.config.pipeline_parallel_size:
             sched_out = self._schedule()
+            # A request is in one step at a time, so its grammar has its tokens already.
+            freeze_grammar_bitmask(sched_out)
             self._on_other_ranks("step", encode_scheduler_output(sched_out))
             queue.append(self.runner.launch(sched_out, defer_sampling=True))
             if not sched_out.is_empty and len(queue) < self.config.pipeline_parallel_size:

@@ -131,15 +131,16 @@ def finish_pipelined(runner: ModelRunner, pending: PendingStep):
 
 
 def freeze_grammar_bitmask(s: SchedulerOutput) -> None:
-    """Collect a guided step's bitmask now (rank 0, before the step is sent: every rank
-    masks its logits with it) and have ``s.grammar_bitmask`` return it: the rows the runner
-    asks for (``ModelRunner.apply_grammar``: the guided requests, and their drafts when the
-    step verifies any)."""
+    """Collect a guided step's bitmask now (rank 0, before the step is sent: the ranks that
+    sample mask their logits with it) and have ``s.grammar_bitmask`` return it: the rows the
+    runner asks for (``ModelRunner.apply_grammar``: the guided requests, and their drafts when
+    the step verifies any). A copy: the manager reuses its buffer in the next step, and under
+    pipeline parallelism this one is sampled only after later steps are scheduled."""
     constrained, drafts = s.structured_output_request_ids, s.scheduled_spec_decode_tokens
     if not constrained or s.grammar_bitmask is None:
         return
     bitmask = s.grammar_bitmask(constrained, [drafts.get(r, ()) for r in constrained] if drafts else None)
-    s.grammar_bitmask = _FrozenBitmask(bitmask)
+    s.grammar_bitmask = _FrozenBitmask(bitmask.clone())
 
 
 class _FrozenBitmask:
