@@ -66,6 +66,9 @@ class ParallelState:
 
 
 _state = ParallelState()
+# Whether init_distributed created the default process group (else it adopted the one this
+# process had, e.g. torchrun's script's: destroy_distributed leaves that one alone).
+_owns_group = False
 
 
 def parallel_state() -> ParallelState:
@@ -82,17 +85,27 @@ def init_distributed(
     custom_all_reduce: bool = True,
 ) -> None:
     """Join the ranks' process group (blocks until all ``tp_size * pp_size`` have joined); a
-    collective waiting longer than ``timeout`` seconds raises."""
-    global _state, _symm_buffers
+    collective waiting longer than ``timeout`` seconds raises. A process whose
+    ``torch.distributed`` is initialised already (a ``torchrun`` script that called
+    ``init_process_group``) keeps that world, which must be this one."""
+    global _state, _symm_buffers, _owns_group
     world_size = tp_size * pp_size
     tp_group = None
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":  # a bare "cuda" (rank 0's default) is the current device
             torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
-        dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
-        )
+        if dist.is_initialized():
+            if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+                raise ValueError(
+                    f"torch.distributed is initialised as rank {dist.get_rank()} of {dist.get_world_size()}; "
+                    f"this engine needs rank {rank} of tensor_parallel_size x pipeline_parallel_size = {world_size}"
+                )
+        else:
+            dist.init_process_group(
+                backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            )
+            _owns_group = True
         if pp_size > 1 and tp_size > 1:
             # Every rank creates every group, in the same order (torch.distributed's rule).
             for stage in range(pp_size):
@@ -106,16 +119,21 @@ def init_distributed(
 def destroy_distributed() -> None:
     """Leave the process group. NCCL's groups are aborted, not destroyed: on two H100s both
     ranks of a TP=2 engine waited forever inside ``destroy_process_group`` (torch 2.11), while
-    an abort returns at once; every rank has finished its last step by now."""
-    global _state, _symm_buffers
+    an abort returns at once; every rank has finished its last step by now. A world this
+    process had before ``init_distributed`` (a ``torchrun`` script's) is left initialised:
+    only the stage group made here goes."""
+    global _state, _symm_buffers, _owns_group
     _symm_buffers = None
     if dist.is_initialized():
-        if dist.get_backend() == "nccl":
+        if not _owns_group:
+            if _state.tp_group is not None:
+                dist.destroy_process_group(_state.tp_group)
+        elif dist.get_backend() == "nccl":
             torch.cuda.synchronize()
             dist.distributed_c10d._abort_process_group()
         else:
             dist.destroy_process_group()
-    _state = ParallelState()
+    _state, _owns_group = ParallelState(), False
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

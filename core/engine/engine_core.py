@@ -17,7 +17,6 @@ drafts come from the proposal after the previous step, so that one is finished f
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -177,13 +176,13 @@ class EngineCore:
         if config.world_size == 1:
             return None
         executor = executor_cls(config)
-        host = executor.rendezvous_host()
-        init_method = f"tcp://{host}:{_free_port(host)}"
+        self.device = executor.this_device() or self.device
+        init_method = executor.init_method()
         executor.start(init_message(config, self.eos_token_ids, self.dtype, self.max_model_len), init_method)
         try:
             init_distributed(
-                0, config.tensor_parallel_size, config.pipeline_parallel_size, init_method, self.device,
-                config.distributed_timeout, not config.disable_custom_all_reduce,
+                executor.this_rank(), config.tensor_parallel_size, config.pipeline_parallel_size, init_method,
+                self.device, config.distributed_timeout, not config.disable_custom_all_reduce,
             )
         except BaseException:
             executor.shutdown()
@@ -328,10 +327,28 @@ class EngineCore:
             )
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"request {request.request_id}: prompt token ids must be in [0, {self.vocab_size})")
+        if self.executor is not None and self.executor.every_rank_schedules:
+            self._check_request_for_independent_ranks(request)
         if request.max_tokens is not None and request.max_tokens < 1:
             raise ValueError(f"request {request.request_id}: max_tokens must be >= 1, got {request.max_tokens}")
         if request.mm_features:
             self._check_images(request)
+
+    def _check_request_for_independent_ranks(self, request: Request) -> None:
+        """Every rank schedules for itself (``Executor.every_rank_schedules``): what would make
+        the ranks' schedules or outputs differ is refused."""
+        params, backend = request.sampling_params, self.config.executor_backend
+        if params.guided_decoding is not None:
+            raise ValueError(
+                f"request {request.request_id}: guided decoding does not run with distributed_executor_backend="
+                f"{backend!r} (each rank compiles grammars on a thread of its own, so the ranks could schedule "
+                "differently); use 'mp' or 'ray'"
+            )
+        if self.config.pipeline_parallel_size > 1 and (params.logprobs is not None or params.prompt_logprobs is not None):
+            raise ValueError(
+                f"request {request.request_id}: logprobs and prompt_logprobs do not run with distributed_executor_backend="
+                f"{backend!r} under pipeline parallelism (only rank 0 receives them); use 'mp' or 'ray'"
+            )
 
     def _check_images(self, request: Request) -> None:
         """Images need a vision-language model on one rank without speculative decoding, and
@@ -489,9 +506,3 @@ class EngineCore:
         self._stop_ranks()
         self.plugins.notify("pagelm_engine_shutdown", engine=self)
 
-
-def _free_port(host: str) -> int:
-    """A TCP port free on ``host`` (this host's address) now, for the ranks' rendezvous."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
