@@ -187,6 +187,15 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def min_over_ranks(value: int, device: torch.device) -> int:
+    """The least ``value`` over every rank of the engine (all stages): a collective."""
+    if _state.tp_size * _state.pp_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 # ---- pipeline stages ------------------------------------------------------------------------
 # A stage's output is a dict of named tensors (the model's "intermediate tensors": hidden
 # states and residual for the built-in models). Each rank sends to the rank of the same

@@ -29,7 +29,7 @@ from pagelm.attention import GraphSupport
 from pagelm.config import EngineConfig
 from pagelm.distributed import destroy_distributed, init_distributed
 from pagelm.engine.core_output import EngineCoreOutput
-from pagelm.kv_cache import KVCacheManager, cdiv, make_block_hasher
+from pagelm.kv_cache import KVCacheManager, make_block_hasher
 from pagelm.multimodal import SupportsMultiModal
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.request import Request, RequestStatus
@@ -37,13 +37,11 @@ from pagelm.sched.encoder_cache import EncoderCacheManager
 from pagelm.sched.scheduler import Scheduler
 from pagelm.sched.output import SchedulerOutput
 from pagelm.executor import Executor
+from pagelm.worker.kv_sizing import num_kv_blocks
 from pagelm.worker.pending_step import PendingStep
 from pagelm.worker.worker import encode_scheduler_output, freeze_grammar_bitmask, init_message, load_runner, pack
 
 logger = logging.getLogger("pagelm")
-
-# Decode graphs allocate their activations from a private pool, outside the profiled peak.
-_CUDA_GRAPH_RESERVE = 512 << 20
 
 
 class EngineCore:
@@ -284,29 +282,12 @@ class EngineCore:
         return want
 
     def _num_kv_blocks(self, layers) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        per_token = sum(2 * l.spec.num_kv_heads * l.spec.head_dim for l in layers) * self.dtype.itemsize
-        per_block = per_token * cfg.block_size
-        if self.device.type == "cuda":
-            # Our share of the card, minus what a worst-case step needs (weights, activations,
-            # the sampler's logits: measured by a profiling forward pass), minus memory that
-            # is not ours (CUDA context, other processes), minus room for the decode graphs.
-            self._on_other_ranks("profile")
-            peak = self.runner.profile_run()
-            free, total = torch.cuda.mem_get_info(self.device)
-            not_torch = total - free - torch.cuda.memory_reserved(self.device)
-            graphs = _CUDA_GRAPH_RESERVE if not cfg.enforce_eager else 0
-            budget = total * cfg.gpu_memory_utilization - peak - not_torch - graphs
-            budget = min(budget, free - graphs)
-            logger.info(
-                "KV sizing: %.2f GiB total, peak step %.2f GiB, non-torch %.2f GiB -> KV %.2f GiB",
-                total / 2**30, peak / 2**30, not_torch / 2**30, max(budget, 0) / 2**30,
-            )
-            return max(int(budget // per_block), 0)
-        needed = cfg.max_num_seqs * cdiv(self.max_model_len, cfg.block_size)
-        return max(1, min(cfg.cpu_kv_cache_space // per_block, needed))
+        """``num_kv_blocks``, or the least number of blocks any rank's memory holds for its
+        layers (every rank works out its own: ``pagelm.worker.kv_sizing``)."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        self._on_other_ranks("size_kv")
+        return num_kv_blocks(self.config, self.runner, layers, self.max_model_len)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

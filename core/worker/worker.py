@@ -2,7 +2,8 @@
 slice of the weights (its heads of its stage's layers), driven by rank 0's messages (``pagelm.executor``).
 
 Rank 0 sends, in order: ``init`` (the config and what rank 0 decided while loading), then
-``kv_cache`` / ``profile`` / ``graphs`` as it makes those runner calls, then one ``step`` per
+``size_kv`` (each rank works out what its memory holds; all take the least) / ``kv_cache``
+/ ``graphs`` as it makes those runner calls, then one ``step`` per
 step with the ``SchedulerOutput`` (under pipeline parallelism also a ``finish`` when rank 0
 finishes the oldest step in flight), and ``shutdown``. A rank runs each step as rank 0 does
 and samples the same tokens (same logits after the gather, same seeds), which keeps its
@@ -28,6 +29,7 @@ from pagelm.kv_offload import KVTransfers
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.sampling_params import SamplingParams
 from pagelm.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagelm.worker.kv_sizing import num_kv_blocks
 from pagelm.worker.model_runner import ModelRunner
 from pagelm.worker.pending_step import PendingStep
 
@@ -86,7 +88,7 @@ def run_worker(
     )
     try:
         hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
-        runner, _ = load_runner(config, hf_config, device, getattr(torch, dtype), frozenset(eos), max_model_len)
+        runner, layers = load_runner(config, hf_config, device, getattr(torch, dtype), frozenset(eos), max_model_len)
         # Pipeline parallelism: the steps launched and not finished, oldest first.
         in_flight = deque() if config.pipeline_parallel_size > 1 else None
         while True:
@@ -104,8 +106,8 @@ def run_worker(
                 finish_pipelined(runner, in_flight.popleft())
             elif kind == "kv_cache":
                 runner.initialize_kv_cache(args[0])
-            elif kind == "profile":
-                runner.profile_run()
+            elif kind == "size_kv":  # this rank's own count; every rank takes the least
+                num_kv_blocks(config, runner, layers, max_model_len)
             elif kind == "kv_offload":
                 runner.initialize_kv_offload(get_plugin_manager().kv_offloads().get(config.kv_offload), args[0])
             elif kind == "graphs":
