@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 import logging
+import threading
 import warnings
 
 import torch
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 # All-reduces of at most this many bytes take the symmetric-memory path (above it NCCL's
 # bandwidth wins or the gain is small: 37 against 41 us at 4 MiB).
 SYMM_MEM_MAX_BYTES = 512 * 1024
+# Seconds shutdown waits for NCCL's destroy_process_group (see destroy_distributed).
+TEARDOWN_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,9 @@ class ParallelState:
 
 
 _state = ParallelState()
+# Whether init_distributed created the default process group (else it adopted the one this
+# process had, e.g. torchrun's script's: destroy_distributed leaves that one alone).
+_owns_group = False
 
 
 def parallel_state() -> ParallelState:
@@ -82,17 +88,27 @@ def init_distributed(
     custom_all_reduce: bool = True,
 ) -> None:
     """Join the ranks' process group (blocks until all ``tp_size * pp_size`` have joined); a
-    collective waiting longer than ``timeout`` seconds raises."""
-    global _state, _symm_buffers
+    collective waiting longer than ``timeout`` seconds raises. A process whose
+    ``torch.distributed`` is initialised already (a ``torchrun`` script that called
+    ``init_process_group``) keeps that world, which must be this one."""
+    global _state, _symm_buffers, _owns_group
     world_size = tp_size * pp_size
     tp_group = None
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":  # a bare "cuda" (rank 0's default) is the current device
             torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
-        dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
-        )
+        if dist.is_initialized():
+            if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+                raise ValueError(
+                    f"torch.distributed is initialised as rank {dist.get_rank()} of {dist.get_world_size()}; "
+                    f"this engine needs rank {rank} of tensor_parallel_size x pipeline_parallel_size = {world_size}"
+                )
+        else:
+            dist.init_process_group(
+                backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            )
+            _owns_group = True
         if pp_size > 1 and tp_size > 1:
             # Every rank creates every group, in the same order (torch.distributed's rule).
             for stage in range(pp_size):
@@ -104,11 +120,29 @@ def init_distributed(
 
 
 def destroy_distributed() -> None:
-    global _state, _symm_buffers
+    """Leave the process group. A world this process had before ``init_distributed`` (a
+    ``torchrun`` script's) is left initialised: only the stage group made here goes.
+
+    NCCL's teardown is waited on for at most ``TEARDOWN_TIMEOUT`` seconds: on two H100s both
+    ranks of a TP=2 engine waited forever inside ``destroy_process_group`` (torch 2.11, cause
+    not found yet; an abort hung too), so a shutdown that hangs there gives up on it instead
+    (the process group is left behind; a later engine in this process cannot join one)."""
+    global _state, _symm_buffers, _owns_group
     _symm_buffers = None
     if dist.is_initialized():
-        dist.destroy_process_group()
-    _state = ParallelState()
+        if not _owns_group:
+            if _state.tp_group is not None:
+                dist.destroy_process_group(_state.tp_group)
+        elif dist.get_backend() == "nccl":
+            teardown = threading.Thread(target=dist.destroy_process_group, name="pagelm-nccl-teardown", daemon=True)
+            teardown.start()
+            teardown.join(TEARDOWN_TIMEOUT)
+            if teardown.is_alive():
+                logger.warning("NCCL's destroy_process_group did not return in %.0f s; shutdown goes on without it",
+                               TEARDOWN_TIMEOUT)
+        else:
+            dist.destroy_process_group()
+    _state, _owns_group = ParallelState(), False
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -162,6 +196,15 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def min_over_ranks(value: int, device: torch.device) -> int:
+    """The least ``value`` over every rank of the engine (all stages): a collective."""
+    if _state.tp_size * _state.pp_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 # ---- pipeline stages ------------------------------------------------------------------------
 # A stage's output is a dict of named tensors (the model's "intermediate tensors": hidden
 # states and residual for the built-in models). Each rank sends to the rank of the same
@@ -189,3 +232,16 @@ def broadcast_from_last_stage(x: torch.Tensor) -> torch.Tensor:
     copy of each request's tokens in step, and rank 0's scheduler reads them)."""
     dist.broadcast(x, _state.last_stage_rank)
     return x
+
+
+def last_stage_to_rank0(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The last stage's ``tensors`` on rank 0 (results only the engine core reads: logprobs,
+    prompt logprobs); rank 0 passes empty tensors of the right shapes and dtypes, which are
+    filled. The last stage's first rank sends; every other rank passes through."""
+    if _state.rank == _state.last_stage_rank:
+        for t in tensors:
+            dist.send(t.contiguous(), 0)
+    elif _state.rank == 0:
+        for t in tensors:
+            dist.recv(t, _state.last_stage_rank)
+    return tensors

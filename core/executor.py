@@ -9,15 +9,20 @@ msgpack by the core. The ranks' collectives then meet inside the model.
 
 Executors are plugins (``pagelm_register_executors``) selected by
 ``distributed_executor_backend``: built in are ``uni`` (one rank, nothing to start),
-``mp`` (local processes) and ``ray`` (actors in a Ray placement group, across nodes).
+``mp`` (local processes), ``ray`` (actors in a Ray placement group, across nodes) and
+``external_launcher`` (every rank was started by an outside launcher, ``torchrun``, and
+runs an engine core of its own: ``this_rank`` is not 0, nothing is started or sent).
 """
 
 from __future__ import annotations
 
+import socket
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
+    import torch
+
     from pagelm.config import EngineConfig
 
 
@@ -28,6 +33,11 @@ class RankDiedError(RuntimeError):
 
 class Executor(ABC):
     name: ClassVar[str]
+    # Every rank runs an engine core of its own (an outside launcher started them), and they
+    # stay in step only by scheduling alike: the engine refuses requests whose scheduling
+    # depends on timing (guided decoding) or whose results reach rank 0 alone (logprobs
+    # under pipeline parallelism). False: rank 0's engine core drives the others.
+    every_rank_schedules: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -42,6 +52,25 @@ class Executor(ABC):
         (rank 0 listens there). Local executors keep the loopback; a multi-node one returns
         this node's address."""
         return "127.0.0.1"
+
+    def this_rank(self) -> int:
+        """The rank of the engine core's own process: 0 (it starts the others), unless an
+        outside launcher started every rank, each with an engine core of its own."""
+        return 0
+
+    def this_device(self) -> "torch.device | None":
+        """The device of the engine core's rank when the executor places it (an outside
+        launcher: its local rank's GPU); None: the configured device."""
+        return None
+
+    def init_method(self) -> str:
+        """Where the ranks meet in ``torch.distributed``: a free port of
+        ``rendezvous_host()``, where rank 0 listens. Ignored when this process's
+        ``torch.distributed`` is initialised already (the ranks adopt that world)."""
+        host = self.rendezvous_host()
+        with socket.socket() as s:  # free now; rank 0 binds it before the others connect
+            s.bind((host, 0))
+            return f"tcp://{host}:{s.getsockname()[1]}"
 
     @abstractmethod
     def start(self, init_message: bytes, init_method: str) -> None:

@@ -45,7 +45,11 @@ from typing import Any
 # 2.8 added the multimodal contract (pagelm.multimodal: SupportsMultiModal, a model's
 # MultiModalProcessor, MultiModalFeature) and the optional inputs_embeds argument of a model's
 # forward (docs/plugins.md, migration to 2.8).
-PLUGIN_API_VERSION = "2.8"
+# 2.9 added the optional Executor.this_rank(), this_device(), init_method() and
+# every_rank_schedules (the external_launcher executor: torchrun starts every rank, each with
+# an engine core of its own), and SchedulerOutput's drafts and grammar bitmask now reach
+# every rank under tensor parallelism (docs/plugins.md, migration to 2.9).
+PLUGIN_API_VERSION = "2.9"
 PLUGIN_API_ATTRIBUTE = "PAGELM_PLUGIN_API"
 
 _VERSION_RE = re.compile(r"^(\d+)(?:\.(\d+))?$")

@@ -69,12 +69,34 @@ def test_chunked_prefill_prefix_caching_and_preemption_equal_the_plain_run(llama
         core = llm.engine.core
         assert core.scheduler.num_preemptions > 0 and core.kv_cache_manager.prefix_cache_stats.hits > 0
         assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks
-        # What the last stage alone holds is refused, not answered wrongly.
-        with pytest.raises(ValueError, match="logprobs and prompt_logprobs do not run under pipeline parallelism"):
-            llm.generate(_prompts(1), SamplingParams(max_tokens=2, logprobs=2), use_tqdm=False)
-        # ...and the engine serves on.
-        assert len(_ids(llm, _prompts(1))[0]) == 10
     assert got == plain
+
+
+def _logprobs_of(outs):
+    """Per request: (token ids, each sample's {token: (logprob, rank)}, each prompt position's)."""
+    def table(entries):
+        if entries is None:
+            return None
+        return [None if e is None else {t: (round(lp.logprob, 4), lp.rank) for t, lp in e.items()} for e in entries]
+
+    return [(o.outputs[0].token_ids, table(o.outputs[0].logprobs), table(o.prompt_logprobs)) for o in outs]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logprobs_and_prompt_logprobs_equal_one_stage(llama_dir, tp):
+    # Seeded sampling, top-3 logprobs of each sample, top-2 of each prompt token, prompts
+    # cut into 8-token chunks (prompt logprobs of a step that samples nothing) and two
+    # micro-batches in flight; one request without any, beside them.
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 400 + 3 for j in range(11 + 4 * i)]} for i in range(4)]
+    params = [SamplingParams(max_tokens=6, temperature=0.8, seed=i, logprobs=3, prompt_logprobs=2) for i in range(3)]
+    params.append(SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    kw = dict(dtype="float32", max_num_batched_tokens=8, max_num_seqs=4)
+    with LLM(str(llama_dir), **kw) as llm:
+        want = _logprobs_of(llm.generate(prompts, params, use_tqdm=False))
+    with LLM(str(llama_dir), pipeline_parallel_size=2, tensor_parallel_size=tp, **kw) as llm:
+        got = _logprobs_of(llm.generate(prompts, params, use_tqdm=False))
+    assert got == want
+    assert len(got[0][1][0]) >= 3 and len(got[0][2][1]) >= 2 and got[3][1] is None and got[3][2] is None
 
 
 def test_random_arrivals_aborts_and_preemptions_with_two_batches_in_flight_equal_the_plain_run(llama_dir):
@@ -165,9 +187,39 @@ def test_weights_are_assigned_to_stages_by_layer_index():
         ({"pipeline_parallel_size": 3}, "pipeline_parallel_size=3 is more than the model's 2 layers"),
         ({"pipeline_parallel_size": 2, "distributed_executor_backend": "uni"}, "'uni' runs one rank"),
         ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be >= 1"),
+        ({"pipeline_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+         r"speculative_config \(method='ngram'\) does not run under pipeline parallelism yet \(pipeline_parallel_size=2\)"),
     ],
 )
 def test_bad_pipeline_config_is_a_clear_error(llama_dir, kw, match):
     with pytest.raises(Exception, match=match):
         LLM(str(llama_dir), dtype="float32", **kw)
     assert not torch.distributed.is_initialized()
+
+
+def test_guided_decoding_equals_one_stage(llama_dir):
+    # The last stage masks with the bitmask rank 0 collected when it scheduled the step: with
+    # two micro-batches in flight, each over guided requests of its own.
+    import re
+
+    from transformers import AutoTokenizer
+
+    from pagelm import GuidedDecodingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    regexes = [r"(ab|ba){2,6}c", r"[a-z]{5,9}", r"(la |na ){1,4}no"]
+    prompts = [{"prompt_token_ids": tokenizer.encode(t)} for t in ("abbaab" * 3, "xyz", "la la na ", "q")]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30, guided_decoding=GuidedDecodingParams(regex=r))
+        for r in regexes + [regexes[0]]
+    ]
+    prompts.append({"prompt_token_ids": [40, 41, 42]})  # unconstrained, beside them
+    params.append(SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    kw = dict(dtype="float32", plugin_config={"xgrammar": {"any_whitespace": False}})
+    with LLM(str(llama_dir), **kw) as llm:
+        want = llm.generate(prompts, params, use_tqdm=False)
+    with LLM(str(llama_dir), pipeline_parallel_size=2, **kw) as llm:
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for out, regex in zip(got, regexes + [regexes[0]]):
+        assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text

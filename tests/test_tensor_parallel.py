@@ -14,7 +14,6 @@ import pytest
 
 from pagelm import LLM, SamplingParams
 from pagelm.distributed import parallel_state
-from pagelm.sampling_params import GuidedDecodingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -112,25 +111,12 @@ def test_each_rank_holds_its_slice(llama_dir):
     assert parallel_state().tp_size == 1
 
 
-def test_a_guided_request_fails_alone_under_tp(llama_dir):
-    llm = LLM(str(llama_dir), dtype="float32", tensor_parallel_size=2)
-    try:
-        guided = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
-        with pytest.raises(ValueError, match="guided decoding does not run under tensor parallelism"):
-            llm.generate(_prompts(1), guided, use_tqdm=False)
-        assert len(_ids(llm.generate(_prompts(2), GREEDY, use_tqdm=False))[1]) == 10
-    finally:
-        llm.shutdown()
-
-
 @pytest.mark.parametrize(
     "kw, match",
     [
         ({"tensor_parallel_size": 3}, "tensor_parallel_size=3 must divide num_attention_heads=4"),
         ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "'uni' runs one rank"),
         ({"tensor_parallel_size": 2, "distributed_executor_backend": "nope"}, "unknown executor 'nope'.*mp"),
-        ({"tensor_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-         "speculative decoding does not run under tensor or pipeline parallelism"),
         ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be >= 1"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
     ],

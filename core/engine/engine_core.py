@@ -17,7 +17,6 @@ drafts come from the proposal after the previous step, so that one is finished f
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -30,7 +29,7 @@ from pagelm.attention import GraphSupport
 from pagelm.config import EngineConfig
 from pagelm.distributed import destroy_distributed, init_distributed
 from pagelm.engine.core_output import EngineCoreOutput
-from pagelm.kv_cache import KVCacheManager, cdiv, make_block_hasher
+from pagelm.kv_cache import KVCacheManager, make_block_hasher
 from pagelm.multimodal import SupportsMultiModal
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.request import Request, RequestStatus
@@ -38,13 +37,11 @@ from pagelm.sched.encoder_cache import EncoderCacheManager
 from pagelm.sched.scheduler import Scheduler
 from pagelm.sched.output import SchedulerOutput
 from pagelm.executor import Executor
+from pagelm.worker.kv_sizing import num_kv_blocks
 from pagelm.worker.pending_step import PendingStep
-from pagelm.worker.worker import encode_scheduler_output, init_message, load_runner, pack
+from pagelm.worker.worker import encode_scheduler_output, freeze_grammar_bitmask, init_message, load_runner, pack
 
 logger = logging.getLogger("pagelm")
-
-# Decode graphs allocate their activations from a private pool, outside the profiled peak.
-_CUDA_GRAPH_RESERVE = 512 << 20
 
 
 class EngineCore:
@@ -79,7 +76,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.executor = self._start_ranks(plugins, proposer_cls)
         try:
-            use_cuda_graphs = self._load(proposer_cls)
+            use_cuda_graphs = self._load()
         except BaseException:
             self._stop_ranks()
             raise
@@ -117,20 +114,16 @@ class EngineCore:
         )
         plugins.notify("pagelm_engine_started", engine=self)
 
-    def _load(self, proposer_cls) -> bool:
+    def _load(self) -> bool:
         """The model on every rank, its KV cache sized and allocated, graphs captured;
         whether CUDA graphs are used."""
         config = self.config
+        # A draft model (EAGLE) shares the target's embedding and LM head; its attention
+        # layers (among ``layers``) get KV caches next to the target's.
         self.runner, layers = load_runner(
             config, self.hf_config, self.device, self.dtype, self.eos_token_ids, self.max_model_len
         )
         use_cuda_graphs = self._use_cuda_graphs(self.runner.backend)
-        # A draft model (EAGLE) shares the target's embedding and LM head; its attention
-        # layers get KV caches next to the target's.
-        if proposer_cls is not None:
-            proposer = proposer_cls(config, self.runner.model, self.device, self.dtype)
-            self.runner.enable_speculative_decoding(proposer)
-            layers = layers + list(proposer.attention_layers())
         self.num_kv_blocks = self._num_kv_blocks(layers)
         if self.num_kv_blocks * config.block_size < self.max_model_len:
             raise ValueError(
@@ -170,8 +163,11 @@ class EngineCore:
         config = self.config
         executor_cls = plugins.executors().get(config.executor_backend)
         problems = executor_cls.validate(config)
-        if config.world_size > 1 and proposer_cls is not None:
-            problems.append("speculative decoding does not run under tensor or pipeline parallelism yet")
+        if config.pipeline_parallel_size > 1 and proposer_cls is not None:
+            problems.append(
+                f"speculative_config (method={config.speculative.method!r}) does not run under pipeline parallelism "
+                f"yet (pipeline_parallel_size={config.pipeline_parallel_size}); it does under tensor parallelism"
+            )
         if config.pipeline_parallel_size > 1 and config.async_scheduling:
             problems.append("async_scheduling does not run under pipeline parallelism yet")
         if problems:
@@ -179,13 +175,13 @@ class EngineCore:
         if config.world_size == 1:
             return None
         executor = executor_cls(config)
-        host = executor.rendezvous_host()
-        init_method = f"tcp://{host}:{_free_port(host)}"
+        self.device = executor.this_device() or self.device
+        init_method = executor.init_method()
         executor.start(init_message(config, self.eos_token_ids, self.dtype, self.max_model_len), init_method)
         try:
             init_distributed(
-                0, config.tensor_parallel_size, config.pipeline_parallel_size, init_method, self.device,
-                config.distributed_timeout, not config.disable_custom_all_reduce,
+                executor.this_rank(), config.tensor_parallel_size, config.pipeline_parallel_size, init_method,
+                self.device, config.distributed_timeout, not config.disable_custom_all_reduce,
             )
         except BaseException:
             executor.shutdown()
@@ -287,29 +283,12 @@ class EngineCore:
         return want
 
     def _num_kv_blocks(self, layers) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        per_token = sum(2 * l.spec.num_kv_heads * l.spec.head_dim for l in layers) * self.dtype.itemsize
-        per_block = per_token * cfg.block_size
-        if self.device.type == "cuda":
-            # Our share of the card, minus what a worst-case step needs (weights, activations,
-            # the sampler's logits: measured by a profiling forward pass), minus memory that
-            # is not ours (CUDA context, other processes), minus room for the decode graphs.
-            self._on_other_ranks("profile")
-            peak = self.runner.profile_run()
-            free, total = torch.cuda.mem_get_info(self.device)
-            not_torch = total - free - torch.cuda.memory_reserved(self.device)
-            graphs = _CUDA_GRAPH_RESERVE if not cfg.enforce_eager else 0
-            budget = total * cfg.gpu_memory_utilization - peak - not_torch - graphs
-            budget = min(budget, free - graphs)
-            logger.info(
-                "KV sizing: %.2f GiB total, peak step %.2f GiB, non-torch %.2f GiB -> KV %.2f GiB",
-                total / 2**30, peak / 2**30, not_torch / 2**30, max(budget, 0) / 2**30,
-            )
-            return max(int(budget // per_block), 0)
-        needed = cfg.max_num_seqs * cdiv(self.max_model_len, cfg.block_size)
-        return max(1, min(cfg.cpu_kv_cache_space // per_block, needed))
+        """``num_kv_blocks``, or the least number of blocks any rank's memory holds for its
+        layers (every rank works out its own: ``pagelm.worker.kv_sizing``)."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        self._on_other_ranks("size_kv")
+        return num_kv_blocks(self.config, self.runner, layers, self.max_model_len)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -330,19 +309,28 @@ class EngineCore:
             )
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"request {request.request_id}: prompt token ids must be in [0, {self.vocab_size})")
-        if self.executor is not None and request.sampling_params.guided_decoding is not None:
-            raise ValueError(
-                f"request {request.request_id}: guided decoding does not run under tensor parallelism yet"
-            )
-        params = request.sampling_params
-        if self.config.pipeline_parallel_size > 1 and (params.logprobs is not None or params.prompt_logprobs is not None):
-            raise ValueError(
-                f"request {request.request_id}: logprobs and prompt_logprobs do not run under pipeline parallelism yet"
-            )
+        if self.executor is not None and self.executor.every_rank_schedules:
+            self._check_request_for_independent_ranks(request)
         if request.max_tokens is not None and request.max_tokens < 1:
             raise ValueError(f"request {request.request_id}: max_tokens must be >= 1, got {request.max_tokens}")
         if request.mm_features:
             self._check_images(request)
+
+    def _check_request_for_independent_ranks(self, request: Request) -> None:
+        """Every rank schedules for itself (``Executor.every_rank_schedules``): what would make
+        the ranks' schedules or outputs differ is refused."""
+        params, backend = request.sampling_params, self.config.executor_backend
+        if params.guided_decoding is not None:
+            raise ValueError(
+                f"request {request.request_id}: guided decoding does not run with distributed_executor_backend="
+                f"{backend!r} (each rank compiles grammars on a thread of its own, so the ranks could schedule "
+                "differently); use 'mp' or 'ray'"
+            )
+        if self.config.pipeline_parallel_size > 1 and (params.logprobs is not None or params.prompt_logprobs is not None):
+            raise ValueError(
+                f"request {request.request_id}: logprobs and prompt_logprobs do not run with distributed_executor_backend="
+                f"{backend!r} under pipeline parallelism (only rank 0 receives them); use 'mp' or 'ray'"
+            )
 
     def _check_images(self, request: Request) -> None:
         """Images need a vision-language model on one rank without speculative decoding, and
@@ -419,19 +407,25 @@ class EngineCore:
             outputs = self._finish(self._in_flight)
             self._in_flight = None
         sched_out = self._schedule()
+        guided = bool(sched_out.structured_output_request_ids)
         # Launched also when nothing is scheduled: the runner drops finished requests' state.
-        # The other ranks get every step, run ahead or not, in the order rank 0 launches them.
+        # The other ranks get every step, run ahead or not, in the order rank 0 launches them;
+        # a guided step goes with its bitmask, which needs the previous step's tokens.
         if self.executor is not None:
+            if guided and self._in_flight is not None:
+                outputs += self._finish(self._in_flight)
+                self._in_flight = None
+            freeze_grammar_bitmask(sched_out)
             self._on_other_ranks("step", encode_scheduler_output(sched_out))
         run_ahead = (
             self.async_scheduling and not sched_out.is_empty and not sched_out.needs_previous_tokens
             and not sched_out.scheduled_spec_decode_tokens  # verification runs synchronously
+            and not (guided and self.executor is not None)  # its bitmask is collected already
         )
         if run_ahead:
             # Guided requests' bitmasks need the previous step's tokens: this step's forward
             # pass is queued now, its sampling in the next launch (once that step's inputs are
             # staged: the grammars get all the host work of a step) or the next _finish.
-            guided = bool(sched_out.structured_output_request_ids)
             previous, self._in_flight = self._in_flight, self.runner.launch(sched_out, defer_sampling=guided)
             # The device runs the step just launched while the host finishes the previous one.
             return outputs + self._finish(previous) if previous is not None else outputs
@@ -448,6 +442,8 @@ class EngineCore:
         queue = self._batch_queue
         if len(queue) < self.config.pipeline_parallel_size:
             sched_out = self._schedule()
+            # A request is in one step at a time, so its grammar has its tokens already.
+            freeze_grammar_bitmask(sched_out)
             self._on_other_ranks("step", encode_scheduler_output(sched_out))
             queue.append(self.runner.launch(sched_out, defer_sampling=True))
             if not sched_out.is_empty and len(queue) < self.config.pipeline_parallel_size:
@@ -492,9 +488,3 @@ class EngineCore:
         self._stop_ranks()
         self.plugins.notify("pagelm_engine_shutdown", engine=self)
 
-
-def _free_port(host: str) -> int:
-    """A TCP port free on ``host`` (this host's address) now, for the ranks' rendezvous."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -299,10 +299,8 @@ class ModelRunner:
         sched, step, md = pending.sched, pending.inputs, pending.sampling_metadata
         logits, pending.logits = pending.logits, None
         noise, pending.noise = pending.noise, None
-        if self.pipeline is not None:  # the last stage samples (no logprobs or grammars here)
-            ids = None if logits is None else self.sampler(logits, md, self.generator).sampled_token_ids
-            pending.copy_to_host(self.pipeline.share_samples(ids, len(pending.req_ids)), None, {})
-            pending.inputs = pending.hidden = None
+        if self.pipeline is not None:
+            self._sample_pipelined(pending, logits, md)
             return
         constrained = sched.structured_output_request_ids
         fusable = noise is not None and Sampler.race_fusable(md) and constrained in ([], pending.req_ids)
@@ -319,11 +317,32 @@ class ModelRunner:
                 self.apply_grammar(logits, sched, pending.req_ids)
             sampled = self.sampler(logits, md, self.generator, noise)
         prompt_logprobs = self._prompt_logprobs_tensors(
-            pending.states, pending.starts, pending.counts, pending.hidden, step.common
+            pending.states, pending.starts, pending.counts, pending.hidden, _packed_starts(pending.counts)
         )
         pending.copy_to_host(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs)
         if self.spec is None:  # only the proposer reads them
             pending.inputs = pending.hidden = None
+
+    def _sample_pipelined(self, pending: PendingStep, logits: torch.Tensor | None, md) -> None:
+        """The last stage samples (``logits`` None elsewhere; guided requests masked with the
+        bitmask the step brought) and shares the ids with every rank, and its logprobs with
+        rank 0."""
+        sampled, prompt_logprobs = None, {}
+        rows = self._prompt_logprobs_rows(pending.states, pending.starts, pending.counts)
+        if logits is not None:
+            if pending.sched.structured_output_request_ids:  # the bitmask came with the step
+                self.apply_grammar(logits, pending.sched, pending.req_ids)
+            sampled = self.sampler(logits, md, self.generator)
+            prompt_logprobs = self._prompt_logprobs_tensors(
+                pending.states, pending.starts, pending.counts, pending.hidden, _packed_starts(pending.counts)
+            )
+        num_reqs = len(pending.req_ids)
+        ids = self.pipeline.share_samples(None if sampled is None else sampled.sampled_token_ids, num_reqs)
+        logprobs, prompt_logprobs = self.pipeline.share_logprobs(
+            None if sampled is None else sampled.logprobs, num_reqs, md.max_num_logprobs, prompt_logprobs, rows
+        )
+        pending.copy_to_host(ids, logprobs, prompt_logprobs)
+        pending.inputs = pending.hidden = None
 
     @torch.inference_mode()
     def finish(self, pending: PendingStep) -> ModelRunnerOutput:
@@ -571,27 +590,42 @@ class ModelRunner:
         common = self.cuda_graphs.common_metadata(graph_size)
         return StepInputs(num_reqs, num_reqs, common, None, None, True, graph_size)
 
-    def prompt_logprobs(self, states, starts, counts, hidden, common) -> dict[str, LogprobsLists]:
+    def prompt_logprobs(self, states, starts, counts, hidden, first_index) -> dict[str, LogprobsLists]:
         """``_prompt_logprobs_tensors`` on the host (a device read: inside a host sync point)."""
-        tensors = self._prompt_logprobs_tensors(states, starts, counts, hidden, common)
+        tensors = self._prompt_logprobs_tensors(states, starts, counts, hidden, first_index)
         return {req_id: logprobs_lists(t) for req_id, t in tensors.items()}
 
-    def _prompt_logprobs_tensors(self, states, starts, counts, hidden, common) -> dict[str, LogprobsTensors]:
+    def _prompt_logprobs_tensors(self, states, starts, counts, hidden, first_index) -> dict[str, LogprobsTensors]:
         """Logits at position ``p`` score prompt token ``p + 1``; a chunk ``[c, c+n)`` scores
-        prompt tokens ``c+1 .. min(c+n, P-1)``. Queued on the device, no host sync."""
+        prompt tokens ``c+1 .. min(c+n, P-1)``. ``first_index[i]``: the row of ``hidden`` of
+        request ``i``'s first token (from the step's own counts: the input buffers' host
+        copies belong to the latest step launched, maybe a later one). Queued on the device,
+        no host sync."""
         out = {}
-        qsl = common.query_start_loc_cpu.tolist()
-        for i, (state, start, count) in enumerate(zip(states, starts, counts)):
+        index = {state.req_id: (int(first), state, start) for state, start, first in zip(states, starts, first_index)}
+        for req_id, num, k in self._prompt_logprobs_rows(states, starts, counts):
+            first, state, start = index[req_id]
+            logits = self.model.compute_logits(hidden[first : first + num])
+            targets = to_device(state.token_ids[start + 1 : start + 1 + num], torch.long, logits.device)
+            out[req_id] = chosen_and_top_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, k)
+        return out
+
+    def _prompt_logprobs_rows(self, states, starts, counts) -> list[tuple[str, int, int]]:
+        """(request, prompt positions scored this step, top tokens) for each request that
+        wants prompt logprobs and has positions to score in this step."""
+        rows = []
+        for state, start, count in zip(states, starts, counts):
             if not state.need_prompt_logprobs:
                 continue
             num = min(start + count, state.num_prompt_tokens - 1) - start
-            if num <= 0:
-                continue
-            k = num_logprobs(state.sampling_params.prompt_logprobs, self.vocab_size)
-            logits = self.model.compute_logits(hidden[qsl[i] : qsl[i] + num])
-            targets = to_device(state.token_ids[start + 1 : start + 1 + num], torch.long, logits.device)
-            out[state.req_id] = chosen_and_top_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, k)
-        return out
+            if num > 0:
+                rows.append((state.req_id, num, num_logprobs(state.sampling_params.prompt_logprobs, self.vocab_size)))
+        return rows
+
+
+def _packed_starts(counts: list[int]) -> np.ndarray:
+    """Flat index of each request's first token in a step whose requests are packed in order."""
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if counts else np.zeros(0, dtype=np.int64)
 
 
 def chosen_and_top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobsTensors:

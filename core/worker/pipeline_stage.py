@@ -28,10 +28,12 @@ from torch import nn
 
 from pagelm.distributed import (
     broadcast_from_last_stage,
+    last_stage_to_rank0,
     parallel_state,
     recv_from_previous_stage,
     send_to_next_stage,
 )
+from pagelm.sample.sampler import LogprobsTensors
 
 
 class PipelineStage:
@@ -69,6 +71,31 @@ class PipelineStage:
             sampled = torch.empty(num_reqs, dtype=torch.long, device=self.device)
         return broadcast_from_last_stage(sampled.long())
 
+    def share_logprobs(
+        self, logprobs: LogprobsTensors | None, num_reqs: int, k: int | None,
+        prompt_logprobs: dict[str, LogprobsTensors], prompt_rows: list[tuple[str, int, int]],
+    ) -> tuple[LogprobsTensors | None, dict[str, LogprobsTensors]]:
+        """The last stage's logprobs of a step (``k`` top tokens for ``num_reqs`` samples, None:
+        nobody asked) and prompt logprobs (``prompt_rows``: request, positions, top tokens) on
+        rank 0, the one rank that reads them; every rank knows the shapes from the step."""
+        if not self.is_last:
+            logprobs = None if k is None else _empty_logprobs(num_reqs, k, self.device)
+            prompt_logprobs = {r: _empty_logprobs(n, kp, self.device) for r, n, kp in prompt_rows}
+        parts = [] if logprobs is None else [logprobs]
+        parts += [prompt_logprobs[r] for r, _, _ in prompt_rows]
+        for t in parts:  # the sender's dtypes are the receiver's
+            t.token_ids, t.logprobs, t.ranks = t.token_ids.long(), t.logprobs.float(), t.ranks.long()
+        last_stage_to_rank0([x for t in parts for x in (t.token_ids, t.logprobs, t.ranks)])
+        return logprobs, prompt_logprobs
+
     def reset(self) -> None:
         """Forget the sends of failed steps."""
         self._sends.clear()
+
+
+def _empty_logprobs(n: int, k: int, device: torch.device) -> LogprobsTensors:
+    return LogprobsTensors(
+        torch.empty((n, k + 1), dtype=torch.long, device=device),
+        torch.empty((n, k + 1), dtype=torch.float32, device=device),
+        torch.empty(n, dtype=torch.long, device=device),
+    )

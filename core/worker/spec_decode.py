@@ -188,7 +188,7 @@ class SpecDecodeRunner:
             runner.apply_grammar(logits, sched, req_ids, rows_of=row_start.tolist())
         with host_sync_point():  # the verified tokens (and logprobs) come to the host
             verified = self.rejection_sampler(logits, md, [list(d) for d in drafts], runner.generator)
-            prompt_logprobs = runner.prompt_logprobs(states, starts, counts, hidden, step.common)
+            prompt_logprobs = runner.prompt_logprobs(states, starts, counts, hidden, first_token_index(step, counts_np))
             logprobs = _split_logprobs(verified.logprobs, states, row_start, verified.token_ids, runner.vocab_size)
 
         out_ids: list[list[int]] = []

@@ -2,7 +2,8 @@
 slice of the weights (its heads of its stage's layers), driven by rank 0's messages (``pagelm.executor``).
 
 Rank 0 sends, in order: ``init`` (the config and what rank 0 decided while loading), then
-``kv_cache`` / ``profile`` / ``graphs`` as it makes those runner calls, then one ``step`` per
+``size_kv`` (each rank works out what its memory holds; all take the least) / ``kv_cache``
+/ ``graphs`` as it makes those runner calls, then one ``step`` per
 step with the ``SchedulerOutput`` (under pipeline parallelism also a ``finish`` when rank 0
 finishes the oldest step in flight), and ``shutdown``. A rank runs each step as rank 0 does
 and samples the same tokens (same logits after the gather, same seeds), which keeps its
@@ -28,6 +29,7 @@ from pagelm.kv_offload import KVTransfers
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.sampling_params import SamplingParams
 from pagelm.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagelm.worker.kv_sizing import num_kv_blocks
 from pagelm.worker.model_runner import ModelRunner
 from pagelm.worker.pending_step import PendingStep
 
@@ -52,12 +54,18 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 def load_runner(config, hf_config, device, dtype, eos_token_ids, max_model_len) -> tuple[ModelRunner, list]:
     """(runner, attention layers): the model (this rank's slice of it) loaded by the
     configured loader, its attention backend chosen (every rank chooses the same), in a
-    runner."""
+    runner; with ``speculative_config``, the proposer too (every rank builds its own: a draft
+    model's layers are split over the ranks like the target's, and every rank verifies and
+    proposes each step as rank 0 does). The layers include the proposer's (KV caches)."""
     plugins = get_plugin_manager()
     model = plugins.model_loaders().get(config.load_format).load(config, hf_config, device, dtype)
     layers = attention_layers(model)
     backend_cls = select_attention_backend(config, plugins.attention_backends(), layers[0].spec, dtype, device)
     runner = ModelRunner(config, model, backend_cls, device, dtype, eos_token_ids, hf_config.get_text_config().vocab_size, max_model_len)
+    if config.speculative_config is not None:
+        proposer = plugins.proposers().get(config.speculative.method)(config, model, device, dtype)
+        runner.enable_speculative_decoding(proposer)
+        layers = layers + list(proposer.attention_layers())
     return runner, layers
 
 
@@ -80,7 +88,7 @@ def run_worker(
     )
     try:
         hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
-        runner, _ = load_runner(config, hf_config, device, getattr(torch, dtype), frozenset(eos), max_model_len)
+        runner, layers = load_runner(config, hf_config, device, getattr(torch, dtype), frozenset(eos), max_model_len)
         # Pipeline parallelism: the steps launched and not finished, oldest first.
         in_flight = deque() if config.pipeline_parallel_size > 1 else None
         while True:
@@ -98,8 +106,8 @@ def run_worker(
                 finish_pipelined(runner, in_flight.popleft())
             elif kind == "kv_cache":
                 runner.initialize_kv_cache(args[0])
-            elif kind == "profile":
-                runner.profile_run()
+            elif kind == "size_kv":  # this rank's own count; every rank takes the least
+                num_kv_blocks(config, runner, layers, max_model_len)
             elif kind == "kv_offload":
                 runner.initialize_kv_offload(get_plugin_manager().kv_offloads().get(config.kv_offload), args[0])
             elif kind == "graphs":
@@ -124,10 +132,45 @@ def finish_pipelined(runner: ModelRunner, pending: PendingStep):
 # ---- SchedulerOutput on the wire ------------------------------------------------------------
 
 
+def freeze_grammar_bitmask(s: SchedulerOutput) -> None:
+    """Collect a guided step's bitmask now (rank 0, before the step is sent: the ranks that
+    sample mask their logits with it) and have ``s.grammar_bitmask`` return it: the rows the
+    runner asks for (``ModelRunner.apply_grammar``: the guided requests, and their drafts when
+    the step verifies any). A copy: the manager reuses its buffer in the next step, and under
+    pipeline parallelism this one is sampled only after later steps are scheduled."""
+    constrained, drafts = s.structured_output_request_ids, s.scheduled_spec_decode_tokens
+    if not constrained or s.grammar_bitmask is None:
+        return
+    bitmask = s.grammar_bitmask(constrained, [drafts.get(r, ()) for r in constrained] if drafts else None)
+    s.grammar_bitmask = _FrozenBitmask(bitmask.clone())
+
+
+class _FrozenBitmask:
+    """A step's grammar bitmask, collected once: what ``SchedulerOutput.grammar_bitmask``
+    returns on every rank (the runner asks for the rows the bitmask was collected for)."""
+
+    def __init__(self, bitmask: torch.Tensor) -> None:
+        self.bitmask = bitmask
+
+    def __call__(self, request_ids, drafts=None) -> torch.Tensor:
+        return self.bitmask
+
+    def to_wire(self) -> list:
+        return [list(self.bitmask.shape), self.bitmask.numpy().tobytes()]
+
+    @classmethod
+    def from_wire(cls, data: list) -> "_FrozenBitmask":
+        shape, raw = data
+        return cls(torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(shape))
+
+
 def encode_scheduler_output(s: SchedulerOutput) -> list:
-    """Plain data for msgpack. Guided and speculative steps are not sent: tensor parallelism
-    runs neither yet (the engine refuses them at start-up and admission)."""
-    assert s.grammar_bitmask is None and not s.scheduled_spec_decode_tokens
+    """Plain data for msgpack. A guided step's bitmask travels as its raw int32 words
+    (``freeze_grammar_bitmask`` collects it first), drafts as lists of ids."""
+    assert not s.structured_output_request_ids or isinstance(s.grammar_bitmask, _FrozenBitmask), (
+        "a guided step is sent with its bitmask: freeze_grammar_bitmask first"
+    )
+    bitmask = s.grammar_bitmask.to_wire() if s.structured_output_request_ids else None
     return [
         [[r.req_id, r.prompt_token_ids, r.output_token_ids, r.sampling_params.to_wire(), r.block_ids,
           r.num_computed_tokens, r.need_prompt_logprobs] for r in s.scheduled_new_reqs],
@@ -135,11 +178,12 @@ def encode_scheduler_output(s: SchedulerOutput) -> list:
         list(s.num_scheduled_tokens.items()), s.total_num_scheduled_tokens,
         sorted(s.finished_req_ids), sorted(s.preempted_req_ids), s.needs_previous_tokens,
         None if s.kv_transfers is None else [s.kv_transfers.swap_out, s.kv_transfers.swap_in],
+        s.structured_output_request_ids, bitmask, list(s.scheduled_spec_decode_tokens.items()),
     ]
 
 
 def decode_scheduler_output(data: list) -> SchedulerOutput:
-    new, cached, num_scheduled, total, finished, preempted, needs_previous, transfers = data
+    new, cached, num_scheduled, total, finished, preempted, needs_previous, transfers, guided, bitmask, drafts = data
     return SchedulerOutput(
         scheduled_new_reqs=[
             NewRequestData(req_id, prompt, output, SamplingParams(**params), blocks, computed, prompt_lp)
@@ -152,4 +196,7 @@ def decode_scheduler_output(data: list) -> SchedulerOutput:
         preempted_req_ids=set(preempted),
         needs_previous_tokens=needs_previous,
         kv_transfers=None if transfers is None else KVTransfers(*([tuple(p) for p in pairs] for pairs in transfers)),
+        structured_output_request_ids=guided,
+        grammar_bitmask=None if bitmask is None else _FrozenBitmask.from_wire(bitmask),
+        scheduled_spec_decode_tokens=dict(drafts),
     )

@@ -26,7 +26,10 @@ def run(model_dir, prompts, max_tokens, **kw):
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
         job.write_text(json.dumps({"model": str(model_dir), "prompts": prompts, "max_tokens": max_tokens, "kw": kw}))
-        subprocess.run([sys.executable, __file__, "engine", str(job)], check=True)
+        try:
+            subprocess.run([sys.executable, __file__, "engine", str(job)], timeout=240)
+        except subprocess.TimeoutExpired:
+            print("  (the engine process did not exit; its ids were written before shutdown)", flush=True)
         return json.loads((Path(tmp) / "ids.json").read_text())
 
 
@@ -35,21 +38,21 @@ def engine(job_path):
 
     faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where it is
     job = json.loads(Path(job_path).read_text())
-    ids = _generate(job["model"], job["prompts"], job["max_tokens"], **job["kw"])
-    (Path(job_path).parent / "ids.json").write_text(json.dumps(ids))
+    _generate(job["model"], job["prompts"], job["max_tokens"], Path(job_path).parent / "ids.json", **job["kw"])
 
 
-def _generate(model_dir, prompts, max_tokens, **kw):
+def _generate(model_dir, prompts, max_tokens, ids_path, **kw):
+    """Writes the ids before the engine shuts down (a shutdown that hangs still gives them)."""
     t = time.time()
     llm = LLM(str(model_dir), seed=0, **kw)
     print(f"  {kw}: engine built in {time.time() - t:.1f} s", flush=True)
     try:
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
         print(f"  {kw}: generated at {time.time() - t:.1f} s", flush=True)
+        ids_path.write_text(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
     finally:
         llm.shutdown()
     print(f"  {kw}: shut down at {time.time() - t:.1f} s", flush=True)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def compare(name, ref, other):
