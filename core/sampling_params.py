@@ -187,10 +187,9 @@ class SamplingParams:
             raise bad("min_p", "in [0, 1]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer or None")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", "in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", "in [-2, 2]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "in [-2, 2]")
         if not (0.0 < self.repetition_penalty and math.isfinite(self.repetition_penalty)):
             raise bad("repetition_penalty", "a finite float > 0")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
