@@ -121,10 +121,8 @@ class SamplingParams:
     guided_decoding: GuidedDecodingParams | None = None
     # vLLM's newer name for guided_decoding: either may be given, both then hold the same.
     structured_outputs: GuidedDecodingParams | None = None
-    # Logits processors applied to this request alone (vLLM's names). logit_bias: token id ->
-    # added to its logit, in [-100, 100]; allowed_token_ids: only these may be sampled;
-    # bad_words: words never generated (their last token is banned wherever the tokens before
-    # it end the output). A request that uses none of them costs the step nothing.
+    # Logits processors applied to this request alone (vLLM's names; docs/sampling.md):
+    # token id -> bias in [-100, 100], the only ids that may be sampled, words never generated.
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
