@@ -19,6 +19,13 @@ _DTYPES = {
     "half": torch.float16,
     "fp16": torch.float16,
 }
+# Integer settings and their least value (a field that may be None takes its default then).
+_AT_LEAST = {
+    "num_kv_blocks": 1, "max_model_len": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1,
+    "max_num_partial_prefills": 1, "max_stalled_preemptions": 1, "num_cpu_blocks": 0,
+    "structured_output_cache_bytes": 0, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+    "data_parallel_size": 1, "max_num_encoder_input_tokens": 1, "encoder_cache_size": 1,
+}
 
 
 @dataclass
@@ -138,41 +145,28 @@ class EngineConfig:
             out.append(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             out.append(f"block_size must be a power of two in [1, 128], got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            out.append(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             out.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            out.append(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            out.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            out.append(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        for name, least in _AT_LEAST.items():
+            value = getattr(self, name)
+            if value is not None and value < least:
+                out.append(f"{name} must be >= {least}, got {value}")
         if self.long_prefill_token_threshold < 0:
             out.append(
                 f"long_prefill_token_threshold must be >= 0 (0 = off), got {self.long_prefill_token_threshold}"
             )
-        out.extend(self._kv_offload_problems())
-        if self.max_stalled_preemptions < 1:
-            out.append(f"max_stalled_preemptions must be >= 1, got {self.max_stalled_preemptions}")
-        if self.max_num_partial_prefills < 1:
-            out.append(f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}")
-        if self.structured_output_cache_bytes < 0:
-            out.append(f"structured_output_cache_bytes must be >= 0, got {self.structured_output_cache_bytes}")
+        if not self.swap_space >= 0:
+            out.append(f"swap_space must be >= 0 GiB (0 = no CPU tier), got {self.swap_space}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            out.append(f"preemption_mode must be 'auto', 'swap' or 'recompute', got {self.preemption_mode!r}")
+        elif self.preemption_mode == "swap" and not self.kv_offload_enabled:
+            out.append("preemption_mode='swap' needs a CPU tier: set swap_space (GiB) > 0 or num_cpu_blocks > 0")
         if not self.structured_output_compile_timeout > 0:
             out.append(
                 f"structured_output_compile_timeout must be > 0 seconds, got {self.structured_output_compile_timeout}"
             )
         if self.max_logprobs < -1:
             out.append(f"max_logprobs must be >= 0, or -1 for the vocabulary size, got {self.max_logprobs}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(self, name) < 1:
-                out.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.data_parallel_size < 1:
-            out.append(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
-        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                out.append(f"{name} must be >= 1 (or None for the default), got {getattr(self, name)}")
         if self.limit_mm_per_prompt is not None:
             if not isinstance(self.limit_mm_per_prompt, dict) or any(
                 k != "image" or not isinstance(v, int) or v < 0 for k, v in self.limit_mm_per_prompt.items()
@@ -183,18 +177,6 @@ class EngineConfig:
         # load_format names a registered model loader, looked up when the engine starts, as
         # speculative_config is checked when the engine starts, after its method is looked up
         # among the registered proposers (EngineCore._proposer_class).
-        return out
-
-    def _kv_offload_problems(self) -> list[str]:
-        out = []
-        if not self.swap_space >= 0:
-            out.append(f"swap_space must be >= 0 GiB (0 = no CPU tier), got {self.swap_space}")
-        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
-            out.append(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
-        if self.preemption_mode not in ("auto", "swap", "recompute"):
-            out.append(f"preemption_mode must be 'auto', 'swap' or 'recompute', got {self.preemption_mode!r}")
-        elif self.preemption_mode == "swap" and not self.kv_offload_enabled:
-            out.append("preemption_mode='swap' needs a CPU tier: set swap_space (GiB) > 0 or num_cpu_blocks > 0")
         return out
 
     @property

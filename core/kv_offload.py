@@ -1,18 +1,11 @@
-"""The KV-offload contract: a second tier of KV cache blocks (host memory) behind the GPU pool.
-
-With a tier (``swap_space`` GiB > 0) two things stop costing recomputation:
-
-* **swap preemption** (``preemption_mode``): a victim's computed blocks are copied to the
-  tier and freed on the GPU; when it is admitted again they are copied back;
-* **prefix spill**: a prefix-cache block the GPU pool evicts is copied to the tier instead of
-  dropped, and a later prefix lookup that misses on the GPU goes on in the tier.
+"""The KV-offload contract: a second tier of KV cache blocks (host memory) behind the GPU pool,
+for swap preemption and prefix spill (``docs/kv_offload.md``).
 
 The scheduler's side, :class:`KVOffloadTier`, is block bookkeeping only (which tier block
 holds what); every copy it decides is written into the step's ``SchedulerOutput.kv_transfers``
 (:class:`KVTransfers`, plain data) and run by each rank's :class:`KVCopier` before that step's
 forward pass. A plugin registers a :class:`KVOffload` (``pagelm_register_kv_offload``; the
-built-in one is ``cpu``), which makes both. With ``swap_space=0`` none of this exists and
-no step does any of it.
+built-in one is ``cpu``), which makes both. With ``swap_space=0`` none of this exists.
 """
 
 from __future__ import annotations

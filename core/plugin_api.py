@@ -19,36 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-# 1.1 added the pagelm_register_proposers and pagelm_register_structured_output_backends
-# hooks and the optional AttentionMetadataBuilder methods (build_for_cudagraph,
-# prepare_cudagraph_replay, bind_layers).
-# 2.0 split the scheduling-policy contract: the waiting queue is a RequestQueue the policy
-# makes (make_queue), the policy ranks (rank) and picks victims (docs/plugins.md, migration).
-# 2.1 added StructuredOutputBackend.offload (a GrammarOffload; default None) and
-# ProposalBatch.extra_args.
-# 2.2 added the pagelm_register_model_loaders hook (ModelLoader, keyed by load_format) and
-# the pagelm_register_executors hook (Executor, keyed by distributed_executor_backend).
-# 2.3 added the pagelm_register_tool_parsers hook (ToolParser, keyed by the server's
-# --tool-call-parser).
-# 2.4 added the pagelm_register_stat_loggers hook (StatLogger: Prometheus and the stats log
-# left the core), the optional AttentionMetadataBuilder.configure(config), and removed the
-# core's cascade notion (docs/plugins.md, migration to 2.4).
-# 2.5 moved drafting out of the proposer contract (version 2): the engine calls
-# Proposer.propose_step(FinishedStep) and may_draft; propose(ProposalBatch), adaptive drafting
-# and the token history are pagelm.plugins.spec_decode.DraftProposer's (docs/plugins.md,
-# migration to the proposer contract version 2).
-# 2.6 added the pagelm_register_routers hook (Router, keyed by data_parallel_router) and the
-# pipeline-parallel model interface (forward's intermediate_tensors,
-# make_empty_intermediate_tensors, supports_pipeline_parallel; optional).
-# 2.7 added the pagelm_register_kv_offload hook (KVOffload: a CPU tier for swap preemption
-# and prefix spill, keyed by kv_offload) and SchedulerOutput.kv_transfers.
-# 2.8 added the multimodal contract (pagelm.multimodal: SupportsMultiModal, a model's
-# MultiModalProcessor, MultiModalFeature) and the optional inputs_embeds argument of a model's
-# forward (docs/plugins.md, migration to 2.8).
-# 2.9 added the optional Executor.this_rank(), this_device(), init_method() and
-# every_rank_schedules (the external_launcher executor: torchrun starts every rank, each with
-# an engine core of its own), and SchedulerOutput's drafts and grammar bitmask now reach
-# every rank under tensor parallelism (docs/plugins.md, migration to 2.9).
+# What each version added, and the migration notes: docs/plugins.md ("Plugin API version").
 PLUGIN_API_VERSION = "2.9"
 PLUGIN_API_ATTRIBUTE = "PAGELM_PLUGIN_API"
 

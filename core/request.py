@@ -114,14 +114,14 @@ class Request:
         # Prompt logprobs skip the prefix cache (their logits must be computed).
         self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
         self.prompt_logprobs_done = sampling_params.prompt_logprobs is None
-        # Its next sample reads its previous tokens on the host: penalties count the tokens so
-        # far, bad words of several tokens match the output's tail (with async scheduling a step that has it runs synchronously), a grammar accepts
-        # each token before the next bitmask (such a step samples after the previous finished).
+        # Its next sample reads its previous tokens on the host (penalties count them, a bad
+        # word of several tokens matches the output's tail): with async scheduling a step that
+        # has such a request runs synchronously.
         self.reads_output_history = (
             sampling_params.presence_penalty != 0.0
             or sampling_params.frequency_penalty != 0.0
             or sampling_params.repetition_penalty != 1.0
-            or bool(sampling_params.bad_word_prefixes)  # a bad word's ban depends on the tail
+            or bool(sampling_params.bad_word_prefixes)
         )
         self._block_hasher = block_hasher
         self.block_hashes: list[bytes] = []

@@ -121,10 +121,8 @@ class SamplingParams:
     guided_decoding: GuidedDecodingParams | None = None
     # vLLM's newer name for guided_decoding: either may be given, both then hold the same.
     structured_outputs: GuidedDecodingParams | None = None
-    # Logits processors applied to this request alone (vLLM's names). logit_bias: token id ->
-    # added to its logit, in [-100, 100]; allowed_token_ids: only these may be sampled;
-    # bad_words: words never generated (their last token is banned wherever the tokens before
-    # it end the output). A request that uses none of them costs the step nothing.
+    # Logits processors applied to this request alone (vLLM's names; docs/sampling.md):
+    # token id -> bias in [-100, 100], the only ids that may be sampled, words never generated.
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -187,10 +185,9 @@ class SamplingParams:
             raise bad("min_p", "in [0, 1]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer or None")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", "in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", "in [-2, 2]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "in [-2, 2]")
         if not (0.0 < self.repetition_penalty and math.isfinite(self.repetition_penalty)):
             raise bad("repetition_penalty", "a finite float > 0")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):

@@ -17,14 +17,8 @@ core's ``StructuredOutputManager`` (``make_manager``), the one object the schedu
 
 How grammars compile, are cached, advanced and turned into bitmask rows (threads, a process)
 is the plugin's: the built-in manager (``pagelm.plugins.structured_output``) does it for any
-grammar library that implements its grammar-level ABCs (xgrammar is one).
-
-The bitmask is xgrammar's layout: ``int32 [rows, ceil(vocab_size / 32)]``, bit ``j % 32`` of
-word ``j // 32`` set when token ``j`` is allowed (``pagelm.sample.bitmask`` applies it).
-
-Version 1 had the grammar-level ABCs (``compile``, ``CompiledGrammar``,
-``StructuredOutputGrammar``, ``GrammarOffload``) here and the manager in the core;
-``docs/plugins.md`` has the migration note.
+grammar library that implements its grammar-level ABCs (xgrammar is one). The bitmask's
+layout: ``pagelm.sample.bitmask``. Version 1 of this contract: ``docs/plugins.md``, migration.
 """
 
 from __future__ import annotations

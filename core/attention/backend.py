@@ -1,12 +1,6 @@
-"""The attention backend contract, split in three as in vLLM V1:
-
-* ``AttentionBackend``: a static description (name, KV cache shape, what it supports) and
-  factories for the other two;
-* ``AttentionMetadataBuilder``: run once per step, turns the runner's common metadata into
-  whatever the backend's kernels want;
-* ``AttentionImpl``: run per layer; writes this step's K/V through ``slot_mapping`` into the
-  paged cache, then attends over the cache through the block table.
-"""
+"""The attention backend contract, split in three as in vLLM V1: a static description
+(``AttentionBackend``), a metadata builder run once per step (``AttentionMetadataBuilder``)
+and an implementation run per layer (``AttentionImpl``)."""
 
 from __future__ import annotations
 
@@ -75,7 +69,8 @@ class CommonAttentionMetadata:
 
 
 class AttentionMetadataBuilder(ABC):
-    """Built once per engine; ``build`` runs once per step, never per layer."""
+    """Built once per engine; ``build`` turns the runner's common metadata into whatever the
+    backend's kernels want, once per step, never per layer."""
 
     def configure(self, config: "EngineConfig") -> None:
         """The engine's config, given once right after the builder is made: a backend reads
@@ -128,7 +123,8 @@ class AttentionMetadataBuilder(ABC):
 
 
 class AttentionImpl(ABC):
-    """One per attention layer."""
+    """One per attention layer: writes this step's K/V through ``slot_mapping`` into the
+    paged cache, then attends over the cache through the block table."""
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec

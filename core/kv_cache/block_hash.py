@@ -32,15 +32,6 @@ def hash_block_tokens(
     return h.digest()
 
 
-def request_extra_keys(request: "Request") -> bytes:
-    return request.cache_salt.encode() if request.cache_salt else b""
-
-
-def image_extra_keys(request: "Request", start: int, end: int) -> bytes:
-    """The identifiers of the request's images with placeholders in ``[start, end)``."""
-    return b"".join(f.identifier.encode() for f in request.mm_features if f.overlaps(start, end))
-
-
 def make_block_hasher(block_size: int):
     """Returns ``hasher(request) -> new hashes``: the hashes of full blocks that the request
     has gained since it was last called (called once at creation and after each append)."""
@@ -51,10 +42,11 @@ def make_block_hasher(block_size: int):
         parent = request.block_hashes[-1] if start else None
         new: list[BlockHash] = []
         for i in range(start, len(tokens) // block_size):
-            extra = request_extra_keys(request) if i == 0 else b""
-            if request.mm_features:
-                extra += image_extra_keys(request, i * block_size, (i + 1) * block_size)
-            parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], extra)
+            lo, hi = i * block_size, (i + 1) * block_size
+            extra = request.cache_salt.encode() if i == 0 and request.cache_salt else b""
+            if request.mm_features:  # the images with placeholders in this block
+                extra += b"".join(f.identifier.encode() for f in request.mm_features if f.overlaps(lo, hi))
+            parent = hash_block_tokens(parent, tokens[lo:hi], extra)
             new.append(parent)
         return new
 

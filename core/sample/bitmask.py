@@ -36,11 +36,8 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
     """Set disallowed logits to ``-inf`` in place; bitmask row ``i`` masks logits row
-    ``rows[i]`` (default: row ``i``). On CUDA (with Triton) one kernel does it; elsewhere, torch ops.
-
-    A large pinned CPU ``bitmask`` is copied on a side stream, so the copy overlaps the forward
-    pass still running on the current stream (which waits for it); it must stay unchanged until
-    the step's next host sync."""
+    ``rows[i]`` (default: row ``i``). On CUDA (with Triton) one kernel does it, after
+    ``upload_bitmask``; elsewhere, torch ops."""
     kernel = fused_kernel("apply_token_bitmask") if logits.is_cuda and _TRITON_AVAILABLE else None
     if kernel is not None:
         kernel(logits, upload_bitmask(bitmask, logits.device), rows)

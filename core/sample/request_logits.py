@@ -1,18 +1,6 @@
-"""Logits processors one request asks for: ``logit_bias``, ``allowed_token_ids``, ``bad_words``.
-
-A request that uses any of them gets one dense row, built on the device once when it joins the
-model runner (again after a preemption)::
-
-    row[t] = logit_bias[t]        (0 for tokens without a bias)
-           + -inf                 for t outside allowed_token_ids
-           + -inf                 for t a one-token bad word
-
-and each step the rows of the batch's requests that have one are added to their logits with
-one indexed add (``SamplingMetadata.logits_rows``); a batch without such a request runs no
-extra kernel. A bad word of several tokens bans its last token only where the output already
-ends with the tokens before it (vLLM's rule): that depends on the previous tokens, so it is
-checked on the host each step for those requests alone (``bad_word_bans``).
-"""
+"""Logits processors one request asks for: ``logit_bias``, ``allowed_token_ids``, ``bad_words``,
+as one dense ``[vocab]`` row built on the device when the request joins the model runner, plus
+the host check of multi-token bad words (what each costs, and why: ``docs/sampling.md``)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The encoder cache manager: which images' embeddings the runner holds, counted in
-embeddings, on the scheduler's side.
-
-An entry is keyed by the image's ``identifier`` (a hash), so one image in many requests is
-encoded once. Requests that still have positions of the image to compute hold a reference;
-an entry nobody references stays cached (freed lazily, least recently released first) until
-its room is needed, so the same image sent again later is a hit::
+"""The encoder cache manager: which images' embeddings the runner holds (keyed by the image's
+``identifier``, counted in embeddings), on the scheduler's side (``docs/multimodal.md``)::
 
     allocate / take_ref    ->  referenced  --release (last position computed, or preempted)-->
     freeable (still a hit) --evicted for room-->  gone (its identifier goes to the runner

@@ -1,25 +1,10 @@
 """The scheduling-policy contract (version 2): who goes first and who gives way.
 
 The scheduler owns the mechanism (token budget, KV allocation, chunking, preemption, the
-progress guarantee); a policy only decides order and victims. Built-in and third-party
-policies register through ``pagelm_register_scheduling_policies`` and are chosen with
-``scheduling_policy=<name>``. A policy has two parts:
-
-* its **waiting queue** (``make_queue() -> RequestQueue``, see :mod:`pagelm.sched.request_queue`):
-  by default a heap on ``rank``; FCFS keeps a plain deque, and a policy whose order is not a
-  static key (fair share) brings its own queue;
-* its **ranking and victim rule**: ``rank(request)`` (smaller goes first), and the two
-  preemption questions:
-
-  - ``select_victim(running)``: a *running* request needs KV slots and the pool is full;
-    which running request is preempted (it may be the one asking). Default: the one ranked
-    last, the newest among equals.
-  - ``select_victim_for(request, running)``: the *waiting* head cannot be admitted (no KV
-    room, or ``max_num_seqs`` running); a running request to preempt in its favour, or None
-    to let it wait (the default).
-
-Version 1 had the queue methods on the policy itself (``Scheduler.waiting`` *was* the
-policy); ``docs/plugins.md`` has the migration note.
+progress guarantee); a policy only orders the waiting queue it makes (``make_queue``, by
+default a heap on ``rank``) and picks preemption victims. Built-in and third-party policies
+register through ``pagelm_register_scheduling_policies``; ``docs/plugins.md`` has the guide
+and the migration note from version 1 (where the policy *was* the queue).
 """
 
 from __future__ import annotations

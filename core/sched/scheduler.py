@@ -192,15 +192,10 @@ class Scheduler:
             if req.num_output_placeholders and (self.await_samples or self._placeholders_reach_limit(req)):
                 continue  # its token in flight is its last (never past max_tokens), or its input
             # Drafts ride after the known tokens; a short budget trims them first.
-            num_new = self._num_new_tokens(req, req.num_computed_tokens, step.budget, len(req.spec_token_ids))
-            encodes = None
-            if req.mm_features:
-                num_new, encodes = self._plan_encoder(req, req.num_computed_tokens, num_new, step)
-                if num_new == 0:
-                    continue
-            partial = req.num_computed_tokens + num_new < req.num_tokens_with_placeholders
-            if partial and step.num_partial >= self.config.max_num_partial_prefills:
+            chunk = self._plan_chunk(req, req.num_computed_tokens, step, len(req.spec_token_ids))
+            if chunk is None:
                 continue
+            num_new, encodes, partial = chunk
             lookahead = self._num_lookahead(req, req.num_computed_tokens + num_new, partial)
             blocks = self._allocate_or_preempt(req, num_new, lookahead, out, step)
             if blocks is None:
@@ -223,15 +218,10 @@ class Scheduler:
                 # several steps in flight (pipeline) one of them still owes it a token.
                 break
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-            num_new = self._num_new_tokens(req, num_hit_tokens, step.budget)
-            encodes = None
-            if req.mm_features:
-                num_new, encodes = self._plan_encoder(req, num_hit_tokens, num_new, step)
-                if num_new == 0:
-                    break  # its next image waits for encoder budget or cache room
-            partial = num_hit_tokens + num_new < req.num_tokens
-            if partial and step.num_partial >= self.config.max_num_partial_prefills:
+            chunk = self._plan_chunk(req, num_hit_tokens, step)
+            if chunk is None:
                 break
+            num_new, encodes, partial = chunk
             if len(self.running) < self.config.max_num_seqs:
                 lookahead = self._num_lookahead(req, num_hit_tokens + num_new, partial)
                 if self.kv.allocate_slots(req, num_new, lookahead, hits, num_hit_tokens) is not None:
@@ -365,11 +355,23 @@ class Scheduler:
             if identifier not in in_progress and self.encoder_cache.holds(req.request_id, identifier):
                 self.encoder_cache.release(req.request_id, identifier)
 
-    def _num_new_tokens(self, req: Request, num_computed: int, budget: int, num_drafts: int = 0) -> int:
-        num_new = req.num_tokens_with_placeholders + num_drafts - num_computed
+    def _plan_chunk(self, req: Request, num_computed: int, step: "_StepState", num_drafts: int = 0):
+        """``(num_new, images to encode, partial)`` for ``req``'s tokens from ``num_computed``
+        on, within the budget and ``long_prefill_token_threshold``; ``partial``: its prefill
+        is unfinished after them. None when it gets nothing this step: its next image waits
+        for encoder budget or cache room, or ``max_num_partial_prefills`` are under way."""
+        num_new = min(req.num_tokens_with_placeholders + num_drafts - num_computed, step.budget)
         if self.config.long_prefill_token_threshold:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
-        return min(num_new, budget)
+        encodes = None
+        if req.mm_features:
+            num_new, encodes = self._plan_encoder(req, num_computed, num_new, step)
+            if num_new == 0:
+                return None
+        partial = num_computed + num_new < req.num_tokens_with_placeholders
+        if partial and step.num_partial >= self.config.max_num_partial_prefills:
+            return None
+        return num_new, encodes, partial
 
     def _num_lookahead(self, req: Request, end: int, partial: bool) -> int:
         """Slots past ``end`` (this step's last token) the proposer may write while drafting;
@@ -551,10 +553,6 @@ class Scheduler:
     def _append_output_tokens(self, req: Request, new_ids: list[int]) -> list[int]:
         """Append the step's tokens one at a time, so an EOS, a stop token or ``max_tokens``
         inside an accepted run of drafts ends the request right there. Returns those kept."""
-        if len(new_ids) == 1:
-            req.append_output_token_ids(new_ids)
-            self._check_stop(req)
-            return new_ids
         for n, token in enumerate(new_ids, start=1):
             req.append_output_token_ids([token])
             self._check_stop(req)

@@ -1,38 +1,11 @@
-"""Conformance checks for plugin authors: plain functions that raise ``AssertionError``
-with a message saying what broke. Call them from your own tests::
+"""Conformance checks for plugin authors: plain functions that raise ``AssertionError`` with a
+message saying what broke, for scheduling policies, attention backends, speculative proposers
+and tool-call parsers. Call them from your own tests (what each asserts: ``docs/plugins.md``,
+"Testing: the conformance kit")::
 
     from pagelm.testing.conformance import check_scheduling_policy
     def test_my_policy_conforms(tmp_path):
         check_scheduling_policy("my_policy", model_dir=build_tiny_model(tmp_path, "llama"))
-
-Scheduling policies (``check_scheduling_policy``):
-
-* the class is a registered ``SchedulingPolicy`` and ``validate`` returns a list of strings;
-* queue semantics: the ``RequestQueue`` from ``make_queue()``: ``add``/``peek``/``pop``/
-  ``remove``/``prepend``/``__iter__``/``__len__`` agree with each other, and victims are
-  running requests;
-* driven through the real scheduler and KV cache manager with a fake model, under a roomy
-  pool, a tight pool (constant preemption), ``max_num_seqs=2`` with late arrivals, and
-  late arrivals landing mid-prefill that preempt the policy's own victim (forced): every
-  admitted request finishes, each step respects the budgets, every position a request
-  attends to holds its token (a shadow of the paged KV cache: a prefix-cache hit on KV
-  nobody wrote fails), every block is free at the end, and preempted requests finish with
-  the tokens of the un-preempted run;
-* with ``model_dir``: the same through ``LLM`` on a real (tiny) model, on a tight pool and
-  with staggered arrivals into chunked prefill: greedy tokens equal to FCFS on a pool that
-  never preempts.
-
-Attention backends (``check_attention_backend``): the static description, the paged
-kernels against the ``torch`` reference on mixed prefill/decode batches with shuffled
-blocks, and (with ``model_dir``) greedy generation equal to the reference backend's.
-
-Speculative proposers (``check_proposer``): the class is a registered ``Proposer`` whose
-``validate`` returns strings, and (with ``model_dir``) greedy generation with it, under
-chunked prefill, prefix caching and preemption, equals generation without speculation.
-
-Tool-call parsers (``check_tool_parser``): for each model output you give, the streamed
-deltas add up to the whole-text result however the output is cut: one character at a time,
-and in two pieces at every character boundary; each call's first delta has an id and a name.
 """
 
 from __future__ import annotations
@@ -73,6 +46,40 @@ __all__ = [
 _BLOCK_SIZE = 4
 
 
+def _registered(registry: str, name: str, abc: type, kind: str | None = None) -> type:
+    """The class registered as ``name``; with ``kind``, its ``name`` attribute must match."""
+    cls = getattr(get_plugin_manager(), registry)().get(name)
+    assert isinstance(cls, type) and issubclass(cls, abc), f"{name!r} is not a {abc.__name__}"
+    if kind is not None:
+        assert cls.name == name, f"{kind} registered as {name!r} but its name attribute is {cls.name!r}"
+    return cls
+
+
+def _problems(name: str, problems: Any) -> list[str]:
+    assert isinstance(problems, list) and all(isinstance(p, str) for p in problems), (
+        f"{name}.validate() must return a list of strings, got {problems!r}"
+    )
+    return problems
+
+
+def _greedy_tokens(model_dir: str, prompts: list, params: Any, **kw: Any) -> tuple[list[list[int]], Any]:
+    """Greedy generation through ``LLM`` (float32, seed 0); every KV block must come back.
+    ``priority`` goes to ``generate``, the rest to ``LLM``."""
+    from pagelm import LLM
+
+    priority = kw.pop("priority", None)
+    llm = LLM(model_dir, dtype="float32", seed=0, **kw)
+    outs = llm.generate(prompts, params, use_tqdm=False, priority=priority)
+    core = llm.engine.core
+    assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks, "KV blocks leaked"
+    return [o.outputs[0].token_ids for o in outs], core
+
+
+def _assert_same_tokens(name: str, got: list[list[int]], want: list[list[int]], than: str) -> None:
+    diff = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+    assert not diff, f"{name}: prompts {diff} gave different greedy tokens {than}"
+
+
 # =============================================================================================
 # scheduling policies
 # =============================================================================================
@@ -89,9 +96,7 @@ def check_scheduling_policy(
 
 
 def _policy_class(name: str) -> type[SchedulingPolicy]:
-    cls = get_plugin_manager().scheduling_policies().get(name)
-    assert isinstance(cls, type) and issubclass(cls, SchedulingPolicy), f"{name!r} is not a SchedulingPolicy"
-    return cls
+    return _registered("scheduling_policies", name, SchedulingPolicy)
 
 
 def _config(name: str, plugin_config: dict[str, Any] | None, **kw: Any) -> EngineConfig:
@@ -122,10 +127,7 @@ def check_policy_queue(name: str, plugin_config: dict[str, Any] | None = None) -
     running requests."""
     cls = _policy_class(name)
     config = _config(name, plugin_config)
-    problems = cls.validate(config)
-    assert isinstance(problems, list) and all(isinstance(p, str) for p in problems), (
-        f"{name}.validate() must return a list of strings, got {problems!r}"
-    )
+    problems = _problems(name, cls.validate(config))
     assert not problems, f"{name}.validate() rejects a default config: {problems}"
     policy = cls(config)
     queue = policy.make_queue()
@@ -278,6 +280,8 @@ def check_policy_scheduling(name: str, plugin_config: dict[str, Any] | None = No
 
 
 _ENGINE_BASELINES: dict[tuple[str, str], list[list[int]]] = {}
+_POLICY_ENGINE = dict(block_size=8, max_model_len=64)
+_POLICY_PARAMS = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
 
 
 def _engine_prompts() -> tuple[list[dict], list[int]]:
@@ -294,35 +298,26 @@ def _engine_prompts() -> tuple[list[dict], list[int]]:
 
 
 def _engine_tokens(model_dir: str, **kw: Any) -> tuple[list[list[int]], Any]:
-    from pagelm import LLM
-
     prompts, priorities = _engine_prompts()
-    llm = LLM(model_dir, dtype="float32", block_size=8, max_model_len=64, seed=0, **kw)
-    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False, priority=priorities)
-    core = llm.engine.core
-    assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks, "KV blocks leaked"
-    return [o.outputs[0].token_ids for o in outs], core
+    return _greedy_tokens(model_dir, prompts, _POLICY_PARAMS, priority=priorities, **_POLICY_ENGINE, **kw)
 
 
-def _engine_tokens_staggered(model_dir: str, **kw: Any) -> tuple[list[list[int]], Any]:
+def _engine_tokens_staggered(model_dir: str, **kw: Any) -> list[list[int]]:
     """The prompts arriving one per step, the most urgent (priority 0) last, into two seats
     with prompts prefilled a block a step: late arrivals land mid-prefill."""
     from pagelm import LLM
 
     prompts, priorities = _engine_prompts()
-    llm = LLM(
-        model_dir, dtype="float32", block_size=8, max_model_len=64, seed=0, max_num_seqs=2,
-        long_prefill_token_threshold=8, max_num_partial_prefills=2, **kw,
-    )
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    engine = LLM(
+        model_dir, dtype="float32", seed=0, max_num_seqs=2, long_prefill_token_threshold=8,
+        max_num_partial_prefills=2, **_POLICY_ENGINE, **kw,
+    ).engine
     order = sorted(range(len(prompts)), key=lambda i: -priorities[i])
     done: dict[str, list[int]] = {}
     for step in range(3000):
         if order and step % 2 == 0:
             i = order.pop(0)
-            engine.add_request(str(i), prompts[i], params, priority=priorities[i])
+            engine.add_request(str(i), prompts[i], _POLICY_PARAMS, priority=priorities[i])
         if not order and not engine.has_unfinished_requests():
             break
         for out in engine.step():
@@ -332,27 +327,22 @@ def _engine_tokens_staggered(model_dir: str, **kw: Any) -> tuple[list[list[int]]
         raise AssertionError(f"requests did not finish within 3000 steps; finished: {sorted(done)}")
     core = engine.core
     assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks, "KV blocks leaked"
-    return [done[str(i)] for i in range(len(prompts))], core
+    return [done[str(i)] for i in range(len(prompts))]
 
 
 def check_policy_engine(name: str, model_dir: str | Path, plugin_config: dict[str, Any] | None = None) -> None:
     """Through ``LLM``: on a pool of 10 blocks the policy preempts, and with staggered arrivals
     landing mid-prefill it may preempt in the step that booked a chunk; either way the greedy
     tokens equal an FCFS run that never preempts."""
-    model_dir = str(model_dir)
+    model_dir, plugin_config = str(model_dir), plugin_config or {}
     key = (model_dir, "fcfs")
     if key not in _ENGINE_BASELINES:
         _ENGINE_BASELINES[key], _ = _engine_tokens(model_dir, scheduling_policy="fcfs", num_kv_blocks=128)
-    tokens, core = _engine_tokens(
-        model_dir, scheduling_policy=name, num_kv_blocks=10, plugin_config=plugin_config or {}
-    )
+    tokens, core = _engine_tokens(model_dir, scheduling_policy=name, num_kv_blocks=10, plugin_config=plugin_config)
     assert core.scheduler.num_preemptions > 0, f"{name}: a 10-block pool should have forced preemption"
-    staggered, _ = _engine_tokens_staggered(
-        model_dir, scheduling_policy=name, num_kv_blocks=64, plugin_config=plugin_config or {}
-    )
+    staggered = _engine_tokens_staggered(model_dir, scheduling_policy=name, num_kv_blocks=64, plugin_config=plugin_config)
     for label, run in (("a 10-block pool", tokens), ("staggered arrivals", staggered)):
-        diff = [i for i, (a, b) in enumerate(zip(run, _ENGINE_BASELINES[key])) if a != b]
-        assert not diff, f"{name}: with {label} prompts {diff} gave different greedy tokens than the un-preempted FCFS run"
+        _assert_same_tokens(name, run, _ENGINE_BASELINES[key], f"with {label} than the un-preempted FCFS run")
 
 
 # =============================================================================================
@@ -375,10 +365,7 @@ def check_attention_backend(
 
 
 def _backend_class(name: str) -> type[AttentionBackend]:
-    cls = get_plugin_manager().attention_backends().get(name)
-    assert isinstance(cls, type) and issubclass(cls, AttentionBackend), f"{name!r} is not an AttentionBackend"
-    assert cls.name == name, f"backend registered as {name!r} but its name attribute is {cls.name!r}"
-    return cls
+    return _registered("attention_backends", name, AttentionBackend, kind="backend")
 
 
 # (block_size, [(num_cached, num_new) per request]): prefills, decodes over cached context, a
@@ -403,8 +390,7 @@ def check_attention_kernels(
     dev = torch.device(device)
     head_dim = cls.supported_head_sizes[0] if cls.supported_head_sizes else 32
     spec = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=head_dim, scale=1 / math.sqrt(head_dim))
-    problems = cls.validate(_config_for_backend(name), spec, dtype, dev)
-    assert isinstance(problems, list), f"{name}.validate() must return a list of strings"
+    problems = _problems(name, cls.validate(_config_for_backend(name), spec, dtype, dev))
     assert not problems, f"{name} rejects {dtype} on {device}: {problems}"
     for block_size, seqs in _ATTENTION_CASES:
         got = _paged_attention(cls, spec, seqs, block_size, dev, dtype)
@@ -467,17 +453,14 @@ def check_attention_engine(
 ) -> None:
     """Greedy generation with the backend (prefix caching, chunked prefill, a batch of
     different lengths) gives the reference backend's tokens."""
-    from pagelm import LLM
-
     prompts, _ = _engine_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     # Half the prompts repeat an earlier one, so prefix-cache hits go through the backend.
     prompts = prompts + prompts[:4]
-    kw = dict(dtype="float32", device=device, block_size=8, max_num_batched_tokens=24, seed=0)
-    want = [o.outputs[0].token_ids for o in LLM(str(model_dir), attention_backend=reference, **kw).generate(prompts, params, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in LLM(str(model_dir), attention_backend=name, **kw).generate(prompts, params, use_tqdm=False)]
-    diff = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
-    assert not diff, f"{name}: prompts {diff} gave different greedy tokens than the {reference!r} backend"
+    kw = dict(device=device, block_size=8, max_num_batched_tokens=24)
+    want, _ = _greedy_tokens(str(model_dir), prompts, params, attention_backend=reference, **kw)
+    got, _ = _greedy_tokens(str(model_dir), prompts, params, attention_backend=name, **kw)
+    _assert_same_tokens(name, got, want, f"than the {reference!r} backend")
 
 
 # =============================================================================================
@@ -491,14 +474,9 @@ def check_proposer(
     """Every proposer check; the engine check only when ``model_dir`` is given (returns its
     acceptance counters, else ``{}``). ``speculative_config``: extra keys your proposer needs
     (``{"model": ...}`` for a draft model)."""
-    cls = get_plugin_manager().proposers().get(name)
-    assert isinstance(cls, type) and issubclass(cls, Proposer), f"{name!r} is not a Proposer"
-    assert cls.name == name, f"proposer registered as {name!r} but its name attribute is {cls.name!r}"
+    cls = _registered("proposers", name, Proposer, kind="proposer")
     config = EngineConfig(model=str(model_dir or "(conformance)"), speculative_config=_spec_config(name, speculative_config))
-    problems = cls.validate(config)
-    assert isinstance(problems, list) and all(isinstance(p, str) for p in problems), (
-        f"{name}: validate must return a list of strings, got {problems!r}"
-    )
+    problems = _problems(name, cls.validate(config))
     lookahead = cls.num_lookahead_slots(config)
     assert isinstance(lookahead, int) and lookahead >= 0, f"{name}: num_lookahead_slots must be an int >= 0"
     if model_dir is None:
@@ -524,17 +502,11 @@ def _proposer_prompts() -> list[dict]:
 
 
 def _proposer_run(model_dir: str, **kw: Any) -> tuple[list[list[int]], Any]:
-    from pagelm import LLM
-
-    llm = LLM(model_dir, dtype="float32", block_size=4, max_model_len=64, seed=0, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     prompts = _proposer_prompts()
     # The long prompt runs until max_model_len (its drafts get capped near the end).
     per_prompt = [params] * (len(prompts) - 1) + [SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)]
-    outs = llm.generate(prompts, per_prompt, use_tqdm=False)
-    core = llm.engine.core
-    assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks, "KV blocks leaked"
-    return [o.outputs[0].token_ids for o in outs], core
+    return _greedy_tokens(model_dir, prompts, per_prompt, block_size=4, max_model_len=64, **kw)
 
 
 def check_proposer_engine(
@@ -558,8 +530,7 @@ def check_proposer_engine(
     )
     assert core.scheduler.num_preemptions > 0, f"{name}: a 24-block pool should have forced preemption"
     assert core.kv_cache_manager.prefix_cache_stats.hits > 0, f"{name}: the shared prefix was never hit"
-    diff = [i for i, (a, b) in enumerate(zip(tokens, _ENGINE_BASELINES[key])) if a != b]
-    assert not diff, f"{name}: prompts {diff} gave different greedy tokens with speculative decoding"
+    _assert_same_tokens(name, tokens, _ENGINE_BASELINES[key], "with speculative decoding")
     stats = core.scheduler.spec_decoding_stats
     assert stats.num_drafts > 0, f"{name}: no drafts were ever verified"
     return {
@@ -582,9 +553,7 @@ def check_tool_parser(
     real ones of your format, malformed and cut-off ones too) its streamed deltas add up to
     ``extract_tool_calls`` of the whole text, whichever way the text is cut. Returns the
     whole-text results, for your own assertions on them."""
-    cls = get_plugin_manager().tool_parsers().get(name)
-    assert isinstance(cls, type) and issubclass(cls, ToolParser), f"{name!r} is not a ToolParser"
-    assert cls.name == name, f"tool parser registered as {name!r} but its name attribute is {cls.name!r}"
+    cls = _registered("tool_parsers", name, ToolParser, kind="tool parser")
     tools = tools or []
     results = []
     for text in outputs:
