@@ -79,6 +79,13 @@ def pagelm_register_routers(registry: "Registry") -> None:
 
 
 @hookspec
+def pagelm_register_data_parallel(registry: "Registry") -> None:
+    """Add the class that runs ``data_parallel_size`` > 1 engine cores behind the one-core
+    interface (``registry.add(name, cls)``; made as ``cls(config, eos_token_ids,
+    core_factory)``). Exactly one may be registered (built in: ``replicas``)."""
+
+
+@hookspec
 def pagelm_register_tool_parsers(registry: "Registry") -> None:
     """Add ``ToolParser`` subclasses (``pagelm.tool_parser``): how the OpenAI server finds
     tool calls in a model's text; ``registry.add(name, parser_cls)``, the name is what

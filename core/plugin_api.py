@@ -45,7 +45,9 @@ from typing import Any
 # 2.8 added the multimodal contract (pagelm.multimodal: SupportsMultiModal, a model's
 # MultiModalProcessor, MultiModalFeature) and the optional inputs_embeds argument of a model's
 # forward (docs/plugins.md, migration to 2.8).
-PLUGIN_API_VERSION = "2.8"
+# 2.9 added the pagelm_register_data_parallel hook: data parallelism left the core for the
+# built-in data_parallel plugin (docs/plugins.md, migration to 2.9).
+PLUGIN_API_VERSION = "2.9"
 PLUGIN_API_ATTRIBUTE = "PAGELM_PLUGIN_API"
 
 _VERSION_RE = re.compile(r"^(\d+)(?:\.(\d+))?$")

@@ -214,6 +214,9 @@ class PluginManager:
     def routers(self) -> Registry:
         return self._collect("router")
 
+    def data_parallel(self) -> Registry:
+        return self._collect("data parallel")
+
     def tool_parsers(self) -> Registry:
         return self._collect("tool call parser")
 
@@ -281,6 +284,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
         "model loader": ("pagelm_register_model_loaders", ModelLoader),
         "executor": ("pagelm_register_executors", Executor),
         "router": ("pagelm_register_routers", Router),
+        "data parallel": ("pagelm_register_data_parallel", None),
         "tool call parser": ("pagelm_register_tool_parsers", ToolParser),
         "stat logger": ("pagelm_register_stat_loggers", StatLogger),
         "kv offload": ("pagelm_register_kv_offload", KVOffload),

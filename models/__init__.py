@@ -9,7 +9,7 @@ from pagelm.models.loader import DummyLoader, SafetensorsLoader
 from pagelm.models.qwen2 import Qwen2ForCausalLM
 from pagelm.models.qwen3 import Qwen3ForCausalLM
 
-PAGELM_PLUGIN_API = "2.8"
+PAGELM_PLUGIN_API = "2.9"
 
 __all__ = [
     "LlamaForCausalLM", "LlavaForConditionalGeneration", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",

@@ -13,7 +13,6 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer
 
 from pagelm.config import EngineConfig
-from pagelm.engine.data_parallel import DataParallelCore
 from pagelm.engine.engine_core import EngineCore
 from pagelm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagelm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest, RequestState
@@ -41,7 +40,7 @@ def load_eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
 class LLMEngine:
     """``core_factory(config, eos_token_ids)`` builds the engine core: ``EngineCore`` itself
     (offline), or a client of one running in a thread or another process (``AsyncLLM``);
-    ``data_parallel_size`` of them behind a router with data parallelism."""
+    with data parallelism, ``data_parallel_size`` of them behind the data-parallel plugin."""
 
     def __init__(self, config: EngineConfig, core_factory: Callable[..., Any] = EngineCore) -> None:
         self.config = config
@@ -169,11 +168,16 @@ class LLMEngine:
         self.core = self._make_core()
 
     def _make_core(self):
-        """One engine core, or ``data_parallel_size`` of them behind a router."""
+        """One engine core, or ``data_parallel_size`` of them behind the data-parallel plugin."""
         if self.config.data_parallel_size == 1:
             return self.core_factory(self.config, self.eos_token_ids)
-        in_process = not getattr(self.core_factory, "runs_in_own_process", False)
-        return DataParallelCore(self.config, self.eos_token_ids, self.core_factory, in_process)
+        registry = get_plugin_manager().data_parallel()
+        if len(registry) != 1:
+            raise ValueError(
+                f"data_parallel_size={self.config.data_parallel_size} needs exactly one data-parallel plugin; "
+                f"registered: {', '.join(registry.names()) or '(none: is data_parallel in PAGELM_DISABLE_PLUGINS?)'}"
+            )
+        return registry.get(registry.names()[0])(self.config, self.eos_token_ids, self.core_factory)
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -1,6 +1,6 @@
 """Data parallelism: ``data_parallel_size`` engine cores behind the one-core interface that
-``LLMEngine`` and ``AsyncLLM`` drive, with a router plugin (``pagelm.router``) picking the
-replica of each new request::
+``LLMEngine`` and ``AsyncLLM`` drive (the ``pagelm_register_data_parallel`` hook), with a
+router plugin (``pagelm.router``) picking the replica of each new request::
 
     add_request(r) --router.route(r, loads)--> replica i    (remembered: r's aborts, stop
     abort / stop by request id ----------------> replica i      strings and outputs are i's)
@@ -40,12 +40,11 @@ def replica_config(config: EngineConfig, index: int) -> EngineConfig:
 
 
 class DataParallelCore:
-    def __init__(
-        self, config: EngineConfig, eos_token_ids: frozenset[int], core_factory: Callable[..., Any], in_process: bool
-    ) -> None:
+    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int], core_factory: Callable[..., Any]) -> None:
         n = config.data_parallel_size
         router_cls = get_plugin_manager().routers().get(config.data_parallel_router)
         problems = router_cls.validate(config)
+        in_process = not getattr(core_factory, "runs_in_own_process", False)
         if in_process and config.world_size > 1:
             problems.append(
                 "replicas in one process cannot each have tensor/pipeline-parallel ranks (one torch.distributed "
