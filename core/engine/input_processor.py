@@ -19,6 +19,7 @@ from typing import Any, Union
 from pagelm.config import EngineConfig
 from pagelm.multimodal import MultiModalFeature, MultiModalProcessor, check_image
 from pagelm.plugin_manager import get_plugin_manager
+from pagelm.registry import raise_problems
 from pagelm.sampling_params import INT64_MAX, INT64_MIN, GuidedDecodingParams, SamplingParams, check_bad_words_token_ids, num_logprobs
 
 # vLLM's prompt shapes: a string, or {"prompt_token_ids": [...]} (TokensPrompt), or
@@ -175,9 +176,7 @@ class InputProcessor:
                 f"(structured_output_backend={name!r}; is it in PAGELM_DISABLE_PLUGINS?)"
             )
         backend_cls = backends.get(name)
-        problems = backend_cls.validate(self.config)
-        if problems:
-            raise ValueError(f"guided_decoding: structured_output_backend={name!r}: " + "; ".join(problems))
+        raise_problems(f"guided_decoding: structured_output_backend={name!r}", backend_cls.validate(self.config))
         backend_cls.validate_request(params)
 
     def check_token_lists(self, params: SamplingParams) -> None:

@@ -26,6 +26,7 @@ from pagelm.engine.core_client import CoreStep, EngineDeadError, next_output
 from pagelm.engine.core_loop import SchedulerStats
 from pagelm.engine.core_output import EngineCoreOutput
 from pagelm.plugin_manager import get_plugin_manager
+from pagelm.registry import raise_problems
 from pagelm.request import Request
 from pagelm.router import ReplicaLoad
 
@@ -50,8 +51,7 @@ class DataParallelCore:
                 "replicas in one process cannot each have tensor/pipeline-parallel ranks (one torch.distributed "
                 "group per process): use AsyncLLM or `pagelm serve`, which run each replica in its own process"
             )
-        if problems:
-            raise ValueError(f"data_parallel_size={n}: " + "; ".join(problems))
+        raise_problems(f"data_parallel_size={n}", problems)
         self.router = router_cls(config, n)
         self.replicas: list[Any] = []
         try:
