@@ -119,8 +119,8 @@ def pagelm_register_kernels(registry: "Registry") -> None:
 def pagelm_register_cli_commands(registry: "Registry") -> None:
     """Add ``pagelm`` subcommands: ``registry.add(name, add_parser)``, where
     ``add_parser(subparsers)`` adds the subcommand to an argparse subparsers object and sets
-    its ``func(args) -> int``. The OpenAI server (``serve``), the benchmarks (``bench``) and
-    the simulator (``simulate``) are commands added this way."""
+    its ``func(args) -> int``. Every built-in subcommand (``serve``, ``bench``, ``plugins``...)
+    is added this way."""
 
 
 # ---------------------------------------------------------------------------------------------
