@@ -1,14 +1,9 @@
-"""Clients of an engine core that runs its own busy loop, for ``AsyncLLM``.
+"""Clients of an engine core that runs its own busy loop, for ``AsyncLLM``, which awaits
+``get_output()`` for each step's outputs:
 
-``LLMEngine`` sees either client as its core (``add_request``, ``abort_requests``,
-``finish_by_stop_string``, ``max_model_len``, ``vocab_size``); ``AsyncLLM`` awaits
-``get_output()`` for each step's outputs.
-
-- ``MPCoreClient`` (the default): the core runs in its own process, so HTTP, tokenization and
-  detokenization in the API process never take the GIL from the step loop. msgpack over a Unix
-  socket pair.
-- ``InprocCoreClient``: the core loop runs in a thread of this process (no start-up cost;
-  it shares the GIL with the event loop).
+- ``MPCoreClient`` (the default): the core in its own process (msgpack over a Unix socket
+  pair), so the API process's HTTP and (de)tokenizing never take the GIL from the step loop;
+- ``InprocCoreClient``: the core loop in a thread of this process (no start-up cost).
 """
 
 from __future__ import annotations

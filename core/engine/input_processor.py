@@ -1,14 +1,7 @@
-"""The one place a request is checked and tokenized, for every way in: ``LLM``,
-``AsyncLLM`` and the OpenAI server all hand their prompts here (through ``LLMEngine``).
-
-What ``SamplingParams`` checks alone (types, ranges) it checks when it is built; what needs
-this engine (its vocabulary, ``max_model_len``, ``max_logprobs``, the tokenizer, the
-structured-output backend) is checked here, before anything is queued. The result, a
-``ProcessedRequest``, is what ``LLMEngine.add_processed`` queues without checking again:
-a caller that checks a batch first (``LLM.generate``: all prompts, then queue them all) or
-maps errors to its own fields (the server) does not pay for the checks twice. The engine core
-checks the few things a bad API process could still get wrong (``EngineCore.add_request``):
-that is the trust boundary between processes, not a second validation of user input.
+"""The one place a request is checked and tokenized, for every way in (``LLM``, ``AsyncLLM``,
+the server): what needs this engine (its vocabulary, ``max_model_len``, the tokenizer, the
+structured-output backend), before anything is queued. ``SamplingParams`` checks the rest
+when it is built. A ``ProcessedRequest`` is queued without being checked again.
 """
 
 from __future__ import annotations
