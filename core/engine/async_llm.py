@@ -94,13 +94,8 @@ class AsyncLLM:
     (the default for serving); ``False`` runs it in a thread of this process."""
 
     def __init__(
-        self,
-        config: EngineConfig,
-        *,
-        engine_process: bool = True,
-        model_name: str | None = None,
-        log_stats_interval: float | None = 10.0,
-        max_engine_restarts: int = 3,
+        self, config: EngineConfig, *, engine_process: bool = True, model_name: str | None = None,
+        log_stats_interval: float | None = 10.0, max_engine_restarts: int = 3,
     ) -> None:
         self.config = config
         self.engine = LLMEngine(config, core_factory=MPCoreClient if engine_process else InprocCoreClient)

@@ -53,11 +53,15 @@ class InputProcessor:
 
     def process(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> ProcessedRequest:
         """Tokenize ``prompt`` and check it with ``params``; ``ValueError`` names the problem."""
-        text, token_ids = self.tokenize(prompt)
-        text, token_ids = self.truncate(text, token_ids, params)
+        processed = self.process_prompt(prompt, params, priority)
+        self.check_params(params, priority)
+        return processed
+
+    def process_prompt(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> ProcessedRequest:
+        """``process`` without ``check_params`` (``LLM.generate`` checks each distinct one once)."""
+        text, token_ids = self.truncate(*self.tokenize(prompt), params)
         token_ids, features = self.multimodal(prompt, token_ids, params)
         self.check_prompt(token_ids)
-        self.check_params(params, priority)
         return ProcessedRequest(text, token_ids, params, priority, features)
 
     def multimodal(

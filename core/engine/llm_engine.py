@@ -80,14 +80,8 @@ class LLMEngine:
         return None
 
     def add_request(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams,
-        *,
-        output_kind: OutputKind = OutputKind.FINAL_ONLY,
-        priority: int = 0,
-        cache_salt: str | None = None,
+        self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+        output_kind: OutputKind = OutputKind.FINAL_ONLY, priority: int = 0, cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
         """Queue one prompt (``params.n`` samples of it): checked and tokenized by the input
@@ -96,17 +90,11 @@ class LLMEngine:
         self.add_processed(request_id, processed, output_kind=output_kind, cache_salt=cache_salt, arrival_time=arrival_time)
 
     def add_processed(
-        self,
-        request_id: str,
-        processed: ProcessedRequest,
-        *,
-        output_kind: OutputKind = OutputKind.FINAL_ONLY,
-        cache_salt: str | None = None,
-        arrival_time: float | None = None,
+        self, request_id: str, processed: ProcessedRequest, *, output_kind: OutputKind = OutputKind.FINAL_ONLY,
+        cache_salt: str | None = None, arrival_time: float | None = None,
     ) -> None:
         """Queue a request the input processor has checked, whole or not at all: a sample the
-        core still refuses (it could not be sent, say) takes the ones queued before it back
-        out."""
+        core still refuses takes the ones queued before it back out."""
         text, token_ids, params = processed.text, processed.token_ids, processed.params
         arrival_time = time.time() if arrival_time is None else arrival_time
         room = self.max_model_len - len(token_ids)
