@@ -245,10 +245,6 @@ class MPCoreClient(CoreClient):
             self._sock.sendall(data)
 
     @property
-    def is_alive(self) -> bool:
-        return self.proc.poll() is None
-
-    @property
     def pid(self) -> int:
         return self.proc.pid
 
