@@ -1,8 +1,5 @@
-"""Every pagelm hook. Plugins implement them with ``@pagelm.hookimpl``.
-
-Registration hooks receive a registry and add named entries; lifecycle hooks fire once per
-engine or once per request. None fires per token or per step.
-"""
+"""Every pagelm hook (docs/plugins.md describes each). Plugins implement them with
+``@pagelm.hookimpl``. None fires per token or per step, and none is ``firstresult``."""
 
 from __future__ import annotations
 
@@ -38,16 +35,13 @@ def pagelm_register_scheduling_policies(registry: "Registry") -> None:
 
 @hookspec
 def pagelm_register_structured_output_backends(registry: "Registry") -> None:
-    """Add ``StructuredOutputBackend`` subclasses (guided decoding libraries; a grammar
-    library subclasses ``pagelm.plugins.structured_output.GrammarBackend``):
-    ``registry.add(name, backend_cls)``. The name is what ``structured_output_backend=``
-    selects."""
+    """Add guided-decoding ``StructuredOutputBackend`` subclasses: ``registry.add(name,
+    backend_cls)``. The name is what ``structured_output_backend=`` selects."""
 
 
 @hookspec
 def pagelm_register_proposers(registry: "Registry") -> None:
-    """Add speculative-decoding ``Proposer`` subclasses (usually of
-    ``pagelm.plugins.spec_decode.DraftProposer``): ``registry.add(name, proposer_cls)``.
+    """Add speculative-decoding ``Proposer`` subclasses: ``registry.add(name, proposer_cls)``.
     The name is what ``speculative_config={"method": name}`` selects."""
 
 
@@ -65,55 +59,53 @@ def pagelm_register_model_loaders(registry: "Registry") -> None:
 
 @hookspec
 def pagelm_register_executors(registry: "Registry") -> None:
-    """Add ``Executor`` subclasses (``pagelm.executor``): how the ranks beside the engine
-    core's are started and reached; ``registry.add(name, executor_cls)``, the name is what
-    ``distributed_executor_backend=`` selects (built in: ``uni``, ``mp``)."""
+    """Add ``Executor`` subclasses (how the ranks beside the engine core's are started):
+    ``registry.add(name, executor_cls)``. The name is what ``distributed_executor_backend=``
+    selects."""
 
 
 @hookspec
 def pagelm_register_routers(registry: "Registry") -> None:
-    """Add data-parallel ``Router`` subclasses (``pagelm.router``): which engine replica
-    serves each new request; ``registry.add(name, router_cls)``, the name is what
-    ``data_parallel_router=`` selects (built in: ``round_robin``, ``least_loaded``,
-    ``prefix_affinity``)."""
+    """Add data-parallel ``Router`` subclasses: ``registry.add(name, router_cls)``. The name is
+    what ``data_parallel_router=`` selects."""
+
+
+@hookspec
+def pagelm_register_data_parallel(registry: "Registry") -> None:
+    """Add the class that runs ``data_parallel_size`` > 1 engine cores behind the one-core
+    interface: ``registry.add(name, cls)``. Exactly one may be registered."""
 
 
 @hookspec
 def pagelm_register_tool_parsers(registry: "Registry") -> None:
-    """Add ``ToolParser`` subclasses (``pagelm.tool_parser``): how the OpenAI server finds
-    tool calls in a model's text; ``registry.add(name, parser_cls)``, the name is what
-    ``pagelm serve --tool-call-parser`` selects (built in: ``hermes``, ``llama3_json``)."""
+    """Add ``ToolParser`` subclasses: ``registry.add(name, parser_cls)``. The name is what
+    ``pagelm serve --tool-call-parser`` selects."""
 
 
 @hookspec
 def pagelm_register_stat_loggers(registry: "Registry") -> None:
-    """Add ``StatLogger`` subclasses (``pagelm.stat_logger``): what ``AsyncLLM`` hands each
-    engine step's statistics to; ``registry.add(name, logger_cls)``. Every registered one is
-    used (built in: ``prometheus``, ``logging``; ``PAGELM_DISABLE_PLUGINS`` leaves one out)."""
+    """Add ``StatLogger`` subclasses: ``registry.add(name, logger_cls)``. ``AsyncLLM`` hands
+    each engine step's statistics to every registered one."""
 
 
 @hookspec
 def pagelm_register_kv_offload(registry: "Registry") -> None:
-    """Add ``KVOffload`` subclasses (``pagelm.kv_offload``): a second KV tier behind the GPU
-    pool, for swap preemption and prefix spill; ``registry.add(name, offload_cls)``, the name
-    is what ``kv_offload=`` selects when ``swap_space`` > 0 (built in: ``cpu``)."""
+    """Add ``KVOffload`` subclasses (a second KV tier behind the GPU pool):
+    ``registry.add(name, offload_cls)``. The name is what ``kv_offload=`` selects when
+    ``swap_space`` > 0."""
 
 
 @hookspec
 def pagelm_register_kernels(registry: "Registry") -> None:
     """Name the fused kernels behind the core's ops, sampler and decode graphs:
-    ``registry.add("rms_norm", "pkg.module:function")``. The reference is imported on first
-    use, not at registration (so registering does not import Triton). The names and the
-    signatures the core calls are listed in ``pagelm.kernels.KERNELS``; a name nobody
-    registers runs its torch reference."""
+    ``registry.add("rms_norm", "pkg.module:function")``, imported on first use. The names and
+    signatures are ``pagelm.kernels.KERNELS``; a name nobody registers runs its reference."""
 
 
 @hookspec
 def pagelm_register_cli_commands(registry: "Registry") -> None:
     """Add ``pagelm`` subcommands: ``registry.add(name, add_parser)``, where
-    ``add_parser(subparsers)`` adds the subcommand to an argparse subparsers object and sets
-    its ``func(args) -> int``. The OpenAI server (``serve``), the benchmarks (``bench``) and
-    the simulator (``simulate``) are commands added this way."""
+    ``add_parser(subparsers)`` adds the subcommand and sets its ``func(args) -> int``."""
 
 
 # ---------------------------------------------------------------------------------------------

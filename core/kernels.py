@@ -1,11 +1,9 @@
-"""The fused-kernel registry: which function runs each of the core's fused kernels.
+"""The fused-kernel registry: which function runs each of the core's fused kernels
+(``pagelm_register_kernels``; the built-in Triton ones are ``pagelm.backends.kernels``).
 
-Plugins register them (``pagelm_register_kernels``; the built-in Triton kernels are the
-``pagelm.backends.kernels`` plugin), so the core never imports a kernel module by name. An
-entry is a ``"module:function"`` reference, imported when the kernel is first called: so that
-registering does not import Triton, and a test can have a kernel module decorated for the
-CPU interpreter (or patched) before it is used. A kernel nobody registers is ``None`` here
-and its caller runs the torch reference.
+An entry is a ``"module:function"`` reference imported on first call, so that registering
+does not import Triton and a test can patch a kernel module first. A kernel nobody
+registers is ``None`` here, and its caller runs the torch reference.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagelm.config import EngineConfig
-from pagelm.engine.input_processor import ProcessedRequest, PromptType
+from pagelm.engine.input_processor import PromptType
 from pagelm.engine.llm_engine import LLMEngine
 from pagelm.multimodal import content_parts_to_text, decode_data_url
 from pagelm.outputs import RequestOutput
@@ -73,12 +73,7 @@ class LLM:
         priorities = _per_prompt(priority if priority is not None else 0, len(prompts), "priority")
         salts = _per_prompt(cache_salt, len(prompts), "cache_salt")
         inputs = self.engine.inputs
-        processed = []
-        for p, sp, prio in zip(prompts, params, priorities):
-            text, token_ids = inputs.truncate(*inputs.tokenize(p), sp)
-            token_ids, features = inputs.multimodal(p, token_ids, sp)
-            inputs.check_prompt(token_ids)
-            processed.append(ProcessedRequest(text, token_ids, sp, prio, features))
+        processed = [inputs.process_prompt(p, sp, prio) for p, sp, prio in zip(prompts, params, priorities)]
         # Once per distinct pair: one SamplingParams shared by every prompt is the usual case,
         # and checking a guided one parses its constraint.
         for sp, prio in {(id(sp), id(prio)): (sp, prio) for sp, prio in zip(params, priorities)}.values():

@@ -1,10 +1,6 @@
-"""The model-loader contract: how the engine core gets its model for a ``load_format``.
-
-Loaders are plugins (``pagelm_register_model_loaders``), keyed by the ``load_format`` names
-they serve. The built-in ones, in ``pagelm.models.loader``: ``auto`` and ``safetensors`` read
-the checkpoint's safetensors files, ``dummy`` draws random weights of the config's shapes
-(benchmarks). The engine asks a loader two things: where the model lives (before the
-tokenizer is read), and the built model on the engine core's device.
+"""The model-loader contract: where the model for a ``load_format`` lives (before the
+tokenizer is read) and the built model on the engine core's device. The built-in loaders
+(``auto``, ``safetensors``, ``dummy``) are ``pagelm.models.loader``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""Loads plugins from the ``pagelm.plugins`` entry-point group and answers "which class is
-called X" for every plugin kind.
-
-* Built-in plugins are entry points of the ``pagelm`` distribution itself and load unless
-  named in ``PAGELM_DISABLE_PLUGINS=a,b``, which leaves out any plugin by name.
-* Third-party ones load unless ``PAGELM_DISABLE_PLUGIN_AUTOLOAD=1``; ``PAGELM_PLUGINS=a,b``
-  loads only the named ones.
-* Loading is idempotent and happens once per process; ``check_pending()`` afterwards makes a
-  misspelt ``pagelm_*`` hook fail loudly.
-* A plugin declaring an incompatible ``PAGELM_PLUGIN_API`` is rejected with a message naming
-  it and both versions (see :mod:`pagelm.plugin_api`) and how to start without it.
-* Lifecycle hooks are called through ``notify``, one plugin at a time: an exception is logged
-  and counted, never raised into the engine.
+"""Loads plugins from the ``pagelm.plugins`` entry-point group, once per process, and
+answers "which class is called X" for every plugin kind. The loading rules
+(``PAGELM_DISABLE_PLUGINS``, ``PAGELM_PLUGINS``, ``PAGELM_DISABLE_PLUGIN_AUTOLOAD``, the
+plugin API check) are in docs/plugins.md, "Packaging and enabling".
 """
 
 from __future__ import annotations
@@ -214,6 +205,9 @@ class PluginManager:
     def routers(self) -> Registry:
         return self._collect("router")
 
+    def data_parallel(self) -> Registry:
+        return self._collect("data parallel")
+
     def tool_parsers(self) -> Registry:
         return self._collect("tool call parser")
 
@@ -281,6 +275,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
         "model loader": ("pagelm_register_model_loaders", ModelLoader),
         "executor": ("pagelm_register_executors", Executor),
         "router": ("pagelm_register_routers", Router),
+        "data parallel": ("pagelm_register_data_parallel", None),
         "tool call parser": ("pagelm_register_tool_parsers", ToolParser),
         "stat logger": ("pagelm_register_stat_loggers", StatLogger),
         "kv offload": ("pagelm_register_kv_offload", KVOffload),

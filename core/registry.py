@@ -17,6 +17,12 @@ class PluginError(RuntimeError):
     that raised, a proposer's bad drafts...); the message names the plugin and what is wrong."""
 
 
+def raise_problems(setting: str, problems: list[str]) -> None:
+    """A plugin's ``validate`` answer as one ``ValueError`` naming the setting (none: return)."""
+    if problems:
+        raise ValueError(f"{setting}: " + "; ".join(problems))
+
+
 class Registry(Generic[T]):
     def __init__(self, kind: str, base: type | None = None) -> None:
         self.kind = kind

@@ -1,11 +1,6 @@
-"""The data-parallel router contract: which engine replica serves each new request.
-
-With ``data_parallel_size = N`` the API (``LLM``, ``AsyncLLM``, the server) runs N engine
-cores, each with its own scheduler and KV cache (and its own tensor/pipeline-parallel ranks).
-A request lives on one replica from admission to its last token; the router picks it, once
-per request, seeing each replica's load. Routers are plugins
-(``pagelm_register_routers``) selected by ``data_parallel_router``; built in are
-``round_robin``, ``least_loaded`` and ``prefix_affinity`` (``pagelm.plugins.routers``).
+"""The data-parallel router contract: which of the ``data_parallel_size`` engine replicas
+serves a new request (once per request, seeing each replica's load; a request stays on its
+replica). Selected by ``data_parallel_router``; docs/plugins.md, ``pagelm_register_routers``.
 """
 
 from __future__ import annotations

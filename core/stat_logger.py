@@ -1,12 +1,6 @@
-"""The stat-logger contract (vLLM's ``StatLoggerBase``): what the async engine hands to the
-plugins that export or log its statistics. The engine only *collects* them; Prometheus
-(``/metrics``) and the periodic log line are built-in plugins of this kind.
-
-``AsyncLLM`` makes one of every registered stat logger (``pagelm_register_stat_loggers``,
-plugin API 2.4) and, in the API process's output loop, hands each engine step to
-``record``: the engine core's totals after the step (``SchedulerStats``) and what the step's
-outputs did (``IterationStats``, finished requests included). Never per token; ``log`` runs
-every ``log_stats_interval`` seconds.
+"""The stat-logger contract (vLLM's ``StatLoggerBase``): the plugins that export or log the
+statistics ``AsyncLLM`` collects, once per engine step, never per token (Prometheus and the
+periodic log line are the built-in ones; docs/plugins.md, ``pagelm_register_stat_loggers``).
 """
 
 from __future__ import annotations
@@ -17,8 +11,8 @@ from typing import TYPE_CHECKING, ClassVar
 if TYPE_CHECKING:
     from pagelm.config import EngineConfig
 
-# The stats types live in the engine (a higher layer): pagelm.engine.core_loop.SchedulerStats
-# and pagelm.engine.iteration_stats.IterationStats; annotations name them as strings.
+# The stats types live in the engine, a higher layer: pagelm.engine.core_loop.SchedulerStats
+# and pagelm.engine.iteration_stats.IterationStats.
 
 
 class StatLogger(ABC):

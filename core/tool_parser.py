@@ -1,18 +1,11 @@
-"""The tool-call parser contract: how the OpenAI server finds tool calls in a model's text.
+"""The tool-call parser contract: how the OpenAI server splits a model's text, written in
+the model's own tool-call format, into content and tool calls (``pagelm serve
+--tool-call-parser NAME``; docs/plugins.md, "Writing a tool-call parser").
 
-A model offered tools with ``tool_choice="auto"`` writes its calls in its own format
-(Hermes / Qwen 2.5: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; Llama 3:
-``{"name": ..., "parameters": {...}}``). A parser splits that text into plain content and
-tool calls. Parsers are plugins (``pagelm_register_tool_parsers``, plugin API 2.3), keyed by
-the name ``pagelm serve --tool-call-parser NAME`` selects.
-
-One parser object serves one choice of one request, so a streaming parser may keep state
-between deltas. The contract's one rule: however the output is cut into deltas, the deltas
-add up (:func:`accumulate`: content joined, each call's pieces joined by ``index``) to
-``extract_tool_calls`` of the whole text. A parser therefore never sends what it may have to
-take back: text that may still turn out to open a call is held, and a call whose text may
-still turn out malformed is held until it is complete. ``pagelm.testing.conformance.
-check_tool_parser`` checks the rule at every character boundary.
+One parser object serves one choice of one request. The rule: however the output is cut
+into deltas, they add up (:func:`accumulate`) to ``extract_tool_calls`` of the whole text, so
+a parser never sends what it may have to take back (``check_tool_parser`` in the
+conformance kit checks it at every character boundary).
 """
 
 from __future__ import annotations
@@ -69,14 +62,12 @@ class StreamDelta:
 
 class ToolParser(ABC):
     """Subclass, set ``name`` and implement ``extract_tool_calls_streaming``; the whole-text
-    ``extract_tool_calls`` then comes from it (override it only to be faster, keeping the
-    rule above)."""
+    ``extract_tool_calls`` comes from it."""
 
     name: ClassVar[str]
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]]) -> None:
-        # The model's tokenizer, and the request's tools as given (OpenAI's
-        # {"type": "function", "function": {"name", "parameters", ...}} objects).
+        # tools: the request's, as OpenAI gives them ({"type": "function", "function": {...}}).
         self.tokenizer = tokenizer
         self.tools = tools
 

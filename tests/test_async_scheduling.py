@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from pagelm import LLM, GuidedDecodingParams, SamplingParams, hookimpl
-from pagelm.cli.engine_args import add_engine_args, engine_kwargs
 from pagelm.config import EngineConfig
 from pagelm.engine.async_llm import AsyncLLM
 from pagelm.engine.output_processor import OutputKind
 from pagelm.kv_cache import KVCacheManager, make_block_hasher
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.bench.latency import reject_all_drafts
+from pagelm.plugins.engine_args import add_engine_args, engine_kwargs
 from pagelm.plugins.policies.fcfs import FCFSPolicy
 from pagelm.plugins.spec_decode.ngram import NgramProposer
 from pagelm.request import Request, RequestStatus

@@ -230,7 +230,7 @@ def test_replica_stats_sum_field_by_field():
     # The KV tier's stats are nested; summing them whole raised in the async pump, which
     # then left every request waiting.
     from pagelm.engine.core_loop import SchedulerStats
-    from pagelm.engine.data_parallel import sum_stats
+    from pagelm.plugins.data_parallel.replicas import sum_stats
     from pagelm.kv_offload import KVOffloadStats
 
     a = SchedulerStats(num_running=2, kv_offload=KVOffloadStats(num_blocks=8, block_bytes=4096, hit_blocks=3),
@@ -241,3 +241,33 @@ def test_replica_stats_sum_field_by_field():
     assert total.num_running == 3 and total.spec_num_accepted_tokens_per_pos == [4, 2]
     assert (total.kv_offload.num_blocks, total.kv_offload.block_bytes, total.kv_offload.hit_blocks) == (16, 4096, 4)
     assert total.encoder_cache_usage == 0.375
+
+
+def test_hook_pagelm_register_data_parallel(llama_dir, monkeypatch):
+    # The built-in left out and a replacement registered: the engine makes the replacement.
+    import pagelm.plugin_manager as plugin_manager
+    from pagelm.plugins.data_parallel.replicas import DataParallelCore
+
+    class CountingReplicas(DataParallelCore):
+        made = 0
+
+        def __init__(self, config, eos_token_ids, core_factory):
+            CountingReplicas.made += 1
+            super().__init__(config, eos_token_ids, core_factory)
+
+    class Plugin:
+        PAGELM_PLUGIN_API = "2.9"
+
+        @hookimpl
+        def pagelm_register_data_parallel(self, registry):
+            registry.add("counting", CountingReplicas)
+
+    monkeypatch.setenv("PAGELM_DISABLE_PLUGINS", "data_parallel")
+    monkeypatch.setattr(plugin_manager, "_manager", plugin_manager.PluginManager())
+    with pytest.raises(ValueError, match=r"needs exactly one data-parallel plugin; registered: \(none"):
+        LLM(str(llama_dir), dtype="float32", data_parallel_size=2)
+    plugin_manager.get_plugin_manager().register(Plugin(), name="counting-replicas")
+    with LLM(str(llama_dir), dtype="float32", data_parallel_size=2) as llm:
+        outs = llm.generate(_prompts(2), GREEDY, use_tqdm=False)
+        assert type(llm.engine.core) is CountingReplicas and CountingReplicas.made == 1
+    assert [len(o.outputs[0].token_ids) for o in outs] == [10, 10]

@@ -200,7 +200,7 @@ def test_auto_on_cuda_prefers_triton_then_flashinfer(monkeypatch, caplog):
 def test_cascade_threshold_is_the_backends_own_setting_and_is_validated():
     import argparse
 
-    from pagelm.cli.engine_args import add_engine_args, engine_kwargs
+    from pagelm.plugins.engine_args import add_engine_args, engine_kwargs
 
     spec = AttentionSpec(4, 2, 64, 0.125)
     for bad in (-1, 1.5, "4", True):

@@ -243,7 +243,7 @@ def model_with_remote_code(llama_dir, tmp_path, monkeypatch):
 
 def test_trust_remote_code_defaults_to_false():
     assert EngineConfig(model="m").trust_remote_code is False
-    from pagelm.cli.engine_args import add_engine_args, engine_kwargs
+    from pagelm.plugins.engine_args import add_engine_args, engine_kwargs
     import argparse
 
     parser = argparse.ArgumentParser()

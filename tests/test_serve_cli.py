@@ -34,7 +34,7 @@ def test_help_documents_every_flag(path):
 
 
 def test_serve_flags_and_yaml_config_are_engine_arguments(tmp_path):
-    from pagelm.cli.engine_args import engine_kwargs
+    from pagelm.plugins.engine_args import engine_kwargs
 
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("max_num_seqs: 8\nblock_size: 32\n")

@@ -10,9 +10,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagelm import LLM, SamplingParams, hookimpl
-from pagelm.cli.engine_args import add_engine_args, engine_kwargs
 from pagelm.config import EngineConfig
 from pagelm.engine.core_loop import SchedulerStats
+from pagelm.plugins.engine_args import add_engine_args, engine_kwargs
 from pagelm.plugins.metrics.prometheus import PrometheusStatLogger
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.spec_decode import DraftProposer

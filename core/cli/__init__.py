@@ -1,15 +1,11 @@
-"""The ``pagelm`` command: a dispatcher. The core's own subcommands live in modules here
-exposing ``add_parser(subparsers)``; plugins add theirs (``generate``, ``serve``, ``bench``, ``simulate``)
-through the ``pagelm_register_cli_commands`` hook."""
+"""The ``pagelm`` command: a dispatcher. Every subcommand (``plugins``, ``generate``,
+``serve``, ``bench``, ``simulate``) is a plugin's, added through the
+``pagelm_register_cli_commands`` hook."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-
-# The core's subcommand modules under pagelm.cli, listed first by `pagelm --help`.
-COMMANDS = ["plugins"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,8 +13,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="pagelm", description="pagelm: LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMANDS:
-        importlib.import_module(f"pagelm.cli.{name}").add_parser(sub)
     commands = get_plugin_manager().cli_commands()
     for name in commands.names():
         commands.get(name)(sub)

@@ -94,13 +94,8 @@ class AsyncLLM:
     (the default for serving); ``False`` runs it in a thread of this process."""
 
     def __init__(
-        self,
-        config: EngineConfig,
-        *,
-        engine_process: bool = True,
-        model_name: str | None = None,
-        log_stats_interval: float | None = 10.0,
-        max_engine_restarts: int = 3,
+        self, config: EngineConfig, *, engine_process: bool = True, model_name: str | None = None,
+        log_stats_interval: float | None = 10.0, max_engine_restarts: int = 3,
     ) -> None:
         self.config = config
         self.engine = LLMEngine(config, core_factory=MPCoreClient if engine_process else InprocCoreClient)
@@ -109,9 +104,8 @@ class AsyncLLM:
         self.max_model_len = self.engine.max_model_len
         self.model_name = model_name or config.model
         self.stats = SchedulerStats(num_free_blocks=self.core.num_kv_blocks, num_kv_blocks=self.core.num_kv_blocks)
-        # Every registered stat logger (pagelm.stat_logger), by name: built in, prometheus
-        # (the server's /metrics reads its registry) and logging. One that fails to start
-        # fails the engine's start, without leaving its core running.
+        # Every registered stat logger, by name (the server's /metrics reads prometheus's
+        # registry). One that fails to start fails the engine's, without leaving a core running.
         try:
             registry = get_plugin_manager().stat_loggers()
             self.stat_loggers = {
@@ -123,11 +117,9 @@ class AsyncLLM:
             raise
         self.log_stats_interval = log_stats_interval
         self.dead_error: EngineDeadError | None = None
-        # A dead engine core is replaced (its requests fail) up to this many times.
-        self.max_engine_restarts = max_engine_restarts
+        self.max_engine_restarts = max_engine_restarts  # a dead core is replaced this many times
         self.num_engine_restarts = 0
-        # Shutting down: running requests go on, new ones are refused (begin_drain).
-        self.draining = False
+        self.draining = False  # begin_drain: running requests go on, new ones are refused
         self._streams: dict[str, _Stream] = {}
         self._started: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
@@ -143,8 +135,7 @@ class AsyncLLM:
         await self._started
 
     async def _start(self) -> None:
-        # Start-up objects (torch, transformers, the tokenizer) never die: keep the garbage
-        # collector from walking them on every full collection of the serving loop.
+        # Start-up objects never die: keep full collections of the serving loop off them.
         gc.collect()
         gc.freeze()
         await self.core.start()
@@ -179,10 +170,8 @@ class AsyncLLM:
         output_kind: OutputKind = OutputKind.DELTA,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs: deltas (``OutputKind.DELTA``, the default) or one final
-        output (``FINAL_ONLY``). Bad input raises ``ValueError`` before anything is queued.
-        A ``ProcessedRequest`` (``engine.inputs.process``: the server checks first, to name the
-        field at fault) carries its parameters (``sampling_params`` is the same) and priority and is
-        not checked again.
+        output (``FINAL_ONLY``). Bad input raises ``ValueError`` before anything is queued; a
+        ``ProcessedRequest`` (already checked, e.g. by the server) is not checked again.
         Leaving the loop early (or being cancelled) aborts the request."""
         await self._ensure_started()
         if self.dead_error is not None:
@@ -256,9 +245,8 @@ class AsyncLLM:
             self._fail(EngineDeadError(f"the output loop failed: {exc}"))
 
     async def _restart(self) -> None:
-        """Start a fresh engine core in place of the dead one: the API process stayed up
-        answering 500/503 forever, with a zombie core and frozen metrics. Until it is up,
-        ``/health`` says 503 and requests fail fast with ``EngineDeadError``."""
+        """A fresh engine core in place of the dead one (else the API process would answer
+        500/503 forever). Until it is up, requests fail fast with ``EngineDeadError``."""
         self.num_engine_restarts += 1
         logger.warning("restarting the engine core (%d of at most %d)", self.num_engine_restarts, self.max_engine_restarts)
         self.dead_error = EngineDeadError(f"the engine core is restarting after: {self.dead_error}")
@@ -281,8 +269,8 @@ class AsyncLLM:
         self.draining = True
 
     def end_streams(self, error: EngineDeadError) -> None:
-        """End every running request with ``error`` (the drain time is up): each stream
-        gets it as its last item, so that servers can close it properly."""
+        """End every running request with ``error`` (the drain time is up), as its stream's
+        last item, so that servers can close it properly."""
         if self._streams:
             logger.warning("ending %d running requests: %s", len(self._streams), error)
         for request_id, stream in list(self._streams.items()):
@@ -303,8 +291,8 @@ class AsyncLLM:
             self._to_stat_loggers("log", lambda s: s.log())
 
     def _to_stat_loggers(self, what: str, call) -> None:
-        """``call(stat_logger)`` for each; one that raises is logged and dropped, so that a
-        plugin's bug cannot stop the engine serving (as ``PluginManager.notify`` for hooks)."""
+        """``call(stat_logger)`` for each; one that raises is logged and dropped (a plugin's
+        bug must not stop the engine serving)."""
         for name, stat_logger in list(self.stat_loggers.items()):
             try:
                 call(stat_logger)

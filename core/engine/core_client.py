@@ -1,14 +1,9 @@
-"""Clients of an engine core that runs its own busy loop, for ``AsyncLLM``.
+"""Clients of an engine core that runs its own busy loop, for ``AsyncLLM``, which awaits
+``get_output()`` for each step's outputs:
 
-``LLMEngine`` sees either client as its core (``add_request``, ``abort_requests``,
-``finish_by_stop_string``, ``max_model_len``, ``vocab_size``); ``AsyncLLM`` awaits
-``get_output()`` for each step's outputs.
-
-- ``MPCoreClient`` (the default): the core runs in its own process, so HTTP, tokenization and
-  detokenization in the API process never take the GIL from the step loop. msgpack over a Unix
-  socket pair.
-- ``InprocCoreClient``: the core loop runs in a thread of this process (no start-up cost;
-  it shares the GIL with the event loop).
+- ``MPCoreClient`` (the default): the core in its own process (msgpack over a Unix socket
+  pair), so the API process's HTTP and (de)tokenizing never take the GIL from the step loop;
+- ``InprocCoreClient``: the core loop in a thread of this process (no start-up cost).
 """
 
 from __future__ import annotations
@@ -34,6 +29,7 @@ from pagelm.engine.core_loop import (
     SHUTDOWN,
     STOP,
     SchedulerStats,
+    core_facts,
     decode_outputs,
     decode_stats,
     encode_request,
@@ -72,8 +68,14 @@ class CoreClient:
     # kept: a restarted core is a new process (the server's process metrics follow it).
     pid: int | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, eos_token_ids: frozenset[int]) -> None:
+        self.eos_token_ids = eos_token_ids
         self._outputs: asyncio.Queue | None = None
+
+    def set_facts(self, facts: dict[str, int]) -> None:
+        """The engine core's ``core_facts``: what ``LLMEngine`` reads of its core."""
+        self.max_model_len, self.vocab_size = facts["max_model_len"], facts["vocab_size"]
+        self.num_kv_blocks, self.block_size = facts["num_kv_blocks"], facts["block_size"]
 
     async def start(self) -> None:
         """Begin delivering outputs to the running event loop."""
@@ -102,13 +104,9 @@ class InprocCoreClient(CoreClient):
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
         from pagelm.engine.engine_core import EngineCore
 
-        super().__init__()
+        super().__init__(eos_token_ids)
         self.core = EngineCore(config, eos_token_ids)
-        self.max_model_len = self.core.max_model_len
-        self.vocab_size = self.core.vocab_size
-        self.num_kv_blocks = self.core.num_kv_blocks
-        self.block_size = config.block_size
-        self.eos_token_ids = eos_token_ids
+        self.set_facts(core_facts(self.core))
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -177,8 +175,7 @@ class MPCoreClient(CoreClient):
     runs_in_own_process = True
 
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int]) -> None:
-        super().__init__()
-        self.eos_token_ids = eos_token_ids
+        super().__init__(eos_token_ids)
         self._packer = msgpack.Packer()
         self._unpacker = msgpack.Unpacker()
         self._transport: asyncio.Transport | None = None
@@ -193,11 +190,7 @@ class MPCoreClient(CoreClient):
         # Kill the core if this object is dropped without shutdown() (e.g. a failed start).
         self._finalizer = weakref.finalize(self, _stop_process, self.proc, ours)
         self._sock.sendall(self._packer.pack(["init", asdict(config), sorted(eos_token_ids)]))
-        info = self._wait_ready()
-        self.max_model_len = info["max_model_len"]
-        self.vocab_size = info["vocab_size"]
-        self.num_kv_blocks = info["num_kv_blocks"]
-        self.block_size = info["block_size"]
+        self.set_facts(self._wait_ready())
 
     def _wait_ready(self) -> dict:
         while True:
@@ -250,10 +243,6 @@ class MPCoreClient(CoreClient):
                 self._transport.write(data)
         else:
             self._sock.sendall(data)
-
-    @property
-    def is_alive(self) -> bool:
-        return self.proc.poll() is None
 
     @property
     def pid(self) -> int:

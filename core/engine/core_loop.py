@@ -92,6 +92,12 @@ class SchedulerStats:
         )
 
 
+def core_facts(core: EngineCore) -> dict[str, int]:
+    """What a client learns of the engine core it started (``CoreClient.set_facts``)."""
+    return {"max_model_len": core.max_model_len, "vocab_size": core.vocab_size,
+            "num_kv_blocks": core.num_kv_blocks, "block_size": core.config.block_size}
+
+
 def run_core_loop(
     core: EngineCore,
     inbox: Callable[[bool], list[tuple[str, Any]]],

@@ -27,6 +27,7 @@ from pagelm.engine.core_loop import (
     ADD,
     REJECT,
     SHUTDOWN,
+    core_facts,
     decode_request,
     encode_outputs,
     encode_stats,
@@ -120,15 +121,7 @@ def serve(conn: MsgSocket) -> int:
     except Exception as exc:  # a bad config or model: tell the API process why, then exit
         conn.send(["error", type(exc).__name__, str(exc)])
         return 1
-    conn.send([
-        "ready",
-        {
-            "max_model_len": core.max_model_len,
-            "vocab_size": core.vocab_size,
-            "num_kv_blocks": core.num_kv_blocks,
-            "block_size": config.block_size,
-        },
-    ])
+    conn.send(["ready", core_facts(core)])
     _freeze_heap()
 
     def inbox(block: bool) -> list:

@@ -15,13 +15,8 @@ _PRIME_TOKENS = 6
 
 class IncrementalDetokenizer:
     def __init__(
-        self,
-        tokenizer,
-        prompt_token_ids: list[int],
-        *,
-        skip_special_tokens: bool = True,
-        stop: list[str] | None = None,
-        include_stop_str_in_output: bool = False,
+        self, tokenizer, prompt_token_ids: list[int], *, skip_special_tokens: bool = True,
+        stop: list[str] | None = None, include_stop_str_in_output: bool = False,
     ) -> None:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:

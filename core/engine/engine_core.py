@@ -2,16 +2,10 @@
 runner; it knows nothing about text (token ids in, token ids out)::
 
     step():  scheduler.schedule() -> runner.launch() -> runner.finish() -> scheduler.update_from_output()
-                                      (first: structured_output.prepare_bitmask(), the grammar
-                                       work for the next step, beside the step loop)
 
-With async scheduling one step stays in flight: ``step()`` schedules and launches step N,
-then finishes step N-1 (waits for its sampled ids, updates the scheduler) while the device
-runs N, and returns N-1's outputs. A step whose sampling reads the previous tokens on the
-host (penalties) first finishes the one in flight and then runs synchronously; a guided
-step runs ahead and samples once its grammars have caught up. With speculative decoding a
-step runs ahead only when nobody may draft in it (adaptive drafting backed everyone off):
-drafts come from the proposal after the previous step, so that one is finished first.
+With async scheduling one step stays in flight and ``step()`` returns the previous step's
+outputs; when a step must run synchronously instead, see docs/architecture.md ("Async
+scheduling").
 """
 
 from __future__ import annotations
@@ -32,6 +26,7 @@ from pagelm.engine.core_output import EngineCoreOutput
 from pagelm.kv_cache import KVCacheManager, make_block_hasher
 from pagelm.multimodal import SupportsMultiModal
 from pagelm.plugin_manager import get_plugin_manager
+from pagelm.registry import raise_problems
 from pagelm.request import Request, RequestStatus
 from pagelm.sched.encoder_cache import EncoderCacheManager
 from pagelm.sched.scheduler import Scheduler
@@ -51,16 +46,14 @@ class EngineCore:
         plugins.notify("pagelm_configure", config=config)
         self.plugins = plugins
 
-        # Resolve plugin names first: a typo fails before any weight is read.
+        # Plugin names first: a typo fails before any weight is read.
         if config.attention_backend != "auto":
             plugins.attention_backends().get(config.attention_backend)
         policy_cls = plugins.scheduling_policies().get(config.scheduling_policy)
         # No guided-decoding plugin at all: the engine runs, guided requests are refused.
         backends = plugins.structured_output_backends()
         structured_output_cls = backends.get(config.structured_output_backend) if len(backends) else None
-        problems = policy_cls.validate(config)
-        if problems:
-            raise ValueError(f"scheduling_policy={config.scheduling_policy!r}: " + "; ".join(problems))
+        raise_problems(f"scheduling_policy={config.scheduling_policy!r}", policy_cls.validate(config))
         proposer_cls = self._proposer_class(plugins)
         loader = plugins.model_loaders().get(config.load_format)
         self.offload_cls = self._kv_offload_class(plugins)
@@ -85,11 +78,9 @@ class EngineCore:
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching, self._kv_offload_tier()
         )
         self.async_scheduling = self._use_async_scheduling(use_cuda_graphs, proposer_cls)
-        # Guided decoding: the plugin's manager; the runner gets bitmasks through the scheduler.
         self.structured_output = None if structured_output_cls is None else structured_output_cls.make_manager(
             config, self.vocab_size, eos_token_ids, device=self.device, async_scheduling=self.async_scheduling
         )
-        # Vision-language models: the images' embeddings the runner keeps, counted in embeddings.
         self.multimodal = isinstance(self.runner.model, SupportsMultiModal)
         self.encoder_cache_size = config.encoder_cache_embeddings
         self.scheduler = Scheduler(
@@ -99,11 +90,10 @@ class EngineCore:
         )
         # req_id -> when it was first scheduled, until its first output carries it out.
         self._first_scheduled: dict[str, float] = {}
-        # Async scheduling: the step launched and not finished yet (possibly not yet sampled:
-        # a guided step's sampling waits for its grammars, ``PendingStep.awaits_sampling``).
+        # Async scheduling: the step launched and not finished yet (a guided one maybe not
+        # sampled yet: ``PendingStep.awaits_sampling``).
         self._in_flight: PendingStep | None = None
-        # Pipeline parallelism: up to pipeline_parallel_size steps launched and not finished,
-        # oldest first (None without pipeline parallelism).
+        # Pipeline parallelism: the steps launched and not finished, oldest first.
         self._batch_queue: deque[PendingStep] | None = deque() if config.pipeline_parallel_size > 1 else None
         logger.info(
             "pagelm engine: %s on %s/%s, %d KV blocks of %d tokens, backend=%s, policy=%s, cuda_graphs=%s, "
@@ -158,8 +148,8 @@ class EngineCore:
             self.executor = None
 
     def _start_ranks(self, plugins, proposer_cls) -> Executor | None:
-        """Under tensor or pipeline parallelism, the other ranks started by the configured executor
-        and this process joined to them as rank 0 (None: one rank)."""
+        """The other ranks started by the configured executor, this process joined to them as
+        rank 0 (None: one rank)."""
         config = self.config
         executor_cls = plugins.executors().get(config.executor_backend)
         problems = executor_cls.validate(config)
@@ -170,8 +160,7 @@ class EngineCore:
             )
         if config.pipeline_parallel_size > 1 and config.async_scheduling:
             problems.append("async_scheduling does not run under pipeline parallelism yet")
-        if problems:
-            raise ValueError(f"distributed_executor_backend={config.executor_backend!r}: " + "; ".join(problems))
+        raise_problems(f"distributed_executor_backend={config.executor_backend!r}", problems)
         if config.world_size == 1:
             return None
         executor = executor_cls(config)
@@ -208,9 +197,7 @@ class EngineCore:
             )
         spec = self.config.speculative  # a ValueError naming the bad key
         proposer_cls = proposers.get(spec.method)
-        problems = proposer_cls.validate(self.config)
-        if problems:
-            raise ValueError(f"speculative_config (method={spec.method!r}): " + "; ".join(problems))
+        raise_problems(f"speculative_config (method={spec.method!r})", proposer_cls.validate(self.config))
         return proposer_cls
 
     def _kv_offload_class(self, plugins):
@@ -218,9 +205,7 @@ class EngineCore:
         if not self.config.kv_offload_enabled:
             return None
         offload_cls = plugins.kv_offloads().get(self.config.kv_offload)
-        problems = offload_cls.validate(self.config)
-        if problems:
-            raise ValueError(f"kv_offload={self.config.kv_offload!r}: " + "; ".join(problems))
+        raise_problems(f"kv_offload={self.config.kv_offload!r}", offload_cls.validate(self.config))
         return offload_cls
 
     def _num_cpu_blocks(self) -> int:
@@ -254,10 +239,8 @@ class EngineCore:
         return possible and not self.config.enforce_eager
 
     def _use_async_scheduling(self, use_cuda_graphs: bool, proposer_cls) -> bool:
-        """By default where it pays: with CUDA graphs a decode step is one launch, and the host
-        work between steps would leave the GPU idle. With speculative decoding only steps in
-        which nobody may draft run ahead (the proposer needs each step's tokens on the host),
-        so a proposer that must see every step (a draft model) keeps the engine synchronous."""
+        """By default where it pays: with CUDA graphs the host work between steps would leave
+        the GPU idle. A proposer that must see every step (a draft model) keeps it off."""
         if proposer_cls is not None and proposer_cls.needs_every_step:
             if self.config.async_scheduling:
                 raise ValueError(
@@ -293,8 +276,7 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise ``ValueError`` with nothing queued. The API process has
-        validated it already; these checks keep one bad request (another client, a bug there)
-        from reaching the step loop that serves everyone."""
+        validated it already; these checks keep a bad one (a bug there) from the step loop."""
         self._check_request(request)
         request.attach_block_hasher(self.block_hasher)
         self.scheduler.add_request(request)
@@ -364,10 +346,9 @@ class EngineCore:
             self.plugins.notify("pagelm_request_finished", request=req, reason="stop")
 
     def fail_all(self, error: str) -> list[EngineCoreOutput]:
-        """End every request with ``error`` after a step raised: nobody knows which request
-        (if any) caused it or what the step left half done, so each one gets an error output
-        rather than a hang, every block goes back to the pool, and the prefix cache, which
-        may name blocks whose KV was never written, is emptied. The loop serves on."""
+        """End every request with ``error`` after a step raised (nobody knows which request
+        caused it): all blocks go back, and the prefix cache, which may name blocks whose KV
+        was never written, is emptied. The loop serves on."""
         self._in_flight = None
         if self._batch_queue is not None:
             self._batch_queue.clear()
@@ -423,9 +404,8 @@ class EngineCore:
             and not (guided and self.executor is not None)  # its bitmask is collected already
         )
         if run_ahead:
-            # Guided requests' bitmasks need the previous step's tokens: this step's forward
-            # pass is queued now, its sampling in the next launch (once that step's inputs are
-            # staged: the grammars get all the host work of a step) or the next _finish.
+            # A guided step's bitmask needs the previous step's tokens: its forward pass is
+            # queued now, its sampling in the next launch or the next _finish.
             previous, self._in_flight = self._in_flight, self.runner.launch(sched_out, defer_sampling=guided)
             # The device runs the step just launched while the host finishes the previous one.
             return outputs + self._finish(previous) if previous is not None else outputs
@@ -465,15 +445,11 @@ class EngineCore:
         return sched_out
 
     def _finish(self, pending: PendingStep) -> list[EngineCoreOutput]:
-        """Wait for a launched step's tokens and account for them: stop checks, outputs, freed
-        requests. Also for an empty step: the scheduler reports requests that failed before
-        running (a grammar that did not compile)."""
+        """Wait for a launched step's tokens and account for them (an empty step too: it
+        reports requests that failed before running, e.g. a grammar that did not compile)."""
         if pending.awaits_sampling:
             self.runner.sample(pending)
         runner_out = self.runner.finish(pending)
-        # Guided decoding: first thing, the scheduler hands this step's tokens to the grammars
-        # and the manager fills the next step's bitmask while the outputs go out and the
-        # next step is built (``StructuredOutputManager.prepare_bitmask``).
         outputs, finished = self.scheduler.update_from_output(pending.sched, runner_out)
         if self._first_scheduled:
             for out in outputs:

@@ -1,14 +1,7 @@
-"""The one place a request is checked and tokenized, for every way in: ``LLM``,
-``AsyncLLM`` and the OpenAI server all hand their prompts here (through ``LLMEngine``).
-
-What ``SamplingParams`` checks alone (types, ranges) it checks when it is built; what needs
-this engine (its vocabulary, ``max_model_len``, ``max_logprobs``, the tokenizer, the
-structured-output backend) is checked here, before anything is queued. The result, a
-``ProcessedRequest``, is what ``LLMEngine.add_processed`` queues without checking again:
-a caller that checks a batch first (``LLM.generate``: all prompts, then queue them all) or
-maps errors to its own fields (the server) does not pay for the checks twice. The engine core
-checks the few things a bad API process could still get wrong (``EngineCore.add_request``):
-that is the trust boundary between processes, not a second validation of user input.
+"""The one place a request is checked and tokenized, for every way in (``LLM``, ``AsyncLLM``,
+the server): what needs this engine (its vocabulary, ``max_model_len``, the tokenizer, the
+structured-output backend), before anything is queued. ``SamplingParams`` checks the rest
+when it is built. A ``ProcessedRequest`` is queued without being checked again.
 """
 
 from __future__ import annotations
@@ -19,6 +12,7 @@ from typing import Any, Union
 from pagelm.config import EngineConfig
 from pagelm.multimodal import MultiModalFeature, MultiModalProcessor, check_image
 from pagelm.plugin_manager import get_plugin_manager
+from pagelm.registry import raise_problems
 from pagelm.sampling_params import INT64_MAX, INT64_MIN, GuidedDecodingParams, SamplingParams, check_bad_words_token_ids, num_logprobs
 
 # vLLM's prompt shapes: a string, or {"prompt_token_ids": [...]} (TokensPrompt), or
@@ -59,11 +53,15 @@ class InputProcessor:
 
     def process(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> ProcessedRequest:
         """Tokenize ``prompt`` and check it with ``params``; ``ValueError`` names the problem."""
-        text, token_ids = self.tokenize(prompt)
-        text, token_ids = self.truncate(text, token_ids, params)
+        processed = self.process_prompt(prompt, params, priority)
+        self.check_params(params, priority)
+        return processed
+
+    def process_prompt(self, prompt: PromptType, params: SamplingParams, priority: int = 0) -> ProcessedRequest:
+        """``process`` without ``check_params`` (``LLM.generate`` checks each distinct one once)."""
+        text, token_ids = self.truncate(*self.tokenize(prompt), params)
         token_ids, features = self.multimodal(prompt, token_ids, params)
         self.check_prompt(token_ids)
-        self.check_params(params, priority)
         return ProcessedRequest(text, token_ids, params, priority, features)
 
     def multimodal(
@@ -175,9 +173,7 @@ class InputProcessor:
                 f"(structured_output_backend={name!r}; is it in PAGELM_DISABLE_PLUGINS?)"
             )
         backend_cls = backends.get(name)
-        problems = backend_cls.validate(self.config)
-        if problems:
-            raise ValueError(f"guided_decoding: structured_output_backend={name!r}: " + "; ".join(problems))
+        raise_problems(f"guided_decoding: structured_output_backend={name!r}", backend_cls.validate(self.config))
         backend_cls.validate_request(params)
 
     def check_token_lists(self, params: SamplingParams) -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer
 
 from pagelm.config import EngineConfig
-from pagelm.engine.data_parallel import DataParallelCore
 from pagelm.engine.engine_core import EngineCore
 from pagelm.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from pagelm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest, RequestState
@@ -41,7 +40,7 @@ def load_eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
 class LLMEngine:
     """``core_factory(config, eos_token_ids)`` builds the engine core: ``EngineCore`` itself
     (offline), or a client of one running in a thread or another process (``AsyncLLM``);
-    ``data_parallel_size`` of them behind a router with data parallelism."""
+    with data parallelism, ``data_parallel_size`` of them behind the data-parallel plugin."""
 
     def __init__(self, config: EngineConfig, core_factory: Callable[..., Any] = EngineCore) -> None:
         self.config = config
@@ -81,14 +80,8 @@ class LLMEngine:
         return None
 
     def add_request(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams,
-        *,
-        output_kind: OutputKind = OutputKind.FINAL_ONLY,
-        priority: int = 0,
-        cache_salt: str | None = None,
+        self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+        output_kind: OutputKind = OutputKind.FINAL_ONLY, priority: int = 0, cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
         """Queue one prompt (``params.n`` samples of it): checked and tokenized by the input
@@ -97,17 +90,11 @@ class LLMEngine:
         self.add_processed(request_id, processed, output_kind=output_kind, cache_salt=cache_salt, arrival_time=arrival_time)
 
     def add_processed(
-        self,
-        request_id: str,
-        processed: ProcessedRequest,
-        *,
-        output_kind: OutputKind = OutputKind.FINAL_ONLY,
-        cache_salt: str | None = None,
-        arrival_time: float | None = None,
+        self, request_id: str, processed: ProcessedRequest, *, output_kind: OutputKind = OutputKind.FINAL_ONLY,
+        cache_salt: str | None = None, arrival_time: float | None = None,
     ) -> None:
         """Queue a request the input processor has checked, whole or not at all: a sample the
-        core still refuses (it could not be sent, say) takes the ones queued before it back
-        out."""
+        core still refuses takes the ones queued before it back out."""
         text, token_ids, params = processed.text, processed.token_ids, processed.params
         arrival_time = time.time() if arrival_time is None else arrival_time
         room = self.max_model_len - len(token_ids)
@@ -169,11 +156,16 @@ class LLMEngine:
         self.core = self._make_core()
 
     def _make_core(self):
-        """One engine core, or ``data_parallel_size`` of them behind a router."""
+        """One engine core, or ``data_parallel_size`` of them behind the data-parallel plugin."""
         if self.config.data_parallel_size == 1:
             return self.core_factory(self.config, self.eos_token_ids)
-        in_process = not getattr(self.core_factory, "runs_in_own_process", False)
-        return DataParallelCore(self.config, self.eos_token_ids, self.core_factory, in_process)
+        registry = get_plugin_manager().data_parallel()
+        if len(registry) != 1:
+            raise ValueError(
+                f"data_parallel_size={self.config.data_parallel_size} needs exactly one data-parallel plugin; "
+                f"registered: {', '.join(registry.names()) or '(none: is data_parallel in PAGELM_DISABLE_PLUGINS?)'}"
+            )
+        return registry.get(registry.names()[0])(self.config, self.eos_token_ids, self.core_factory)
 
     def shutdown(self) -> None:
         self.core.shutdown()

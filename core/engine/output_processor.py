@@ -11,14 +11,7 @@ from dataclasses import dataclass, field
 from pagelm.engine.core_output import EngineCoreOutput
 from pagelm.engine.detokenizer import IncrementalDetokenizer
 from pagelm.engine.iteration_stats import FinishedRequestStats, IterationStats
-from pagelm.outputs import (
-    CompletionOutput,
-    Logprob,
-    PromptLogprobs,
-    RequestMetrics,
-    RequestOutput,
-    SampleLogprobs,
-)
+from pagelm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from pagelm.sampling_params import SamplingParams
 from pagelm.worker.output import LogprobsLists
 
@@ -42,16 +35,8 @@ class ParentRequest:
 
 class RequestState:
     def __init__(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        tokenizer,
-        output_kind: OutputKind,
-        arrival_time: float,
-        parent: ParentRequest | None = None,
-        index: int = 0,
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, tokenizer,
+        output_kind: OutputKind, arrival_time: float, parent: ParentRequest | None = None, index: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -63,10 +48,7 @@ class RequestState:
         self.index = index
         # No tokenizer (skip_tokenizer_init): token ids only, the text stays empty.
         self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(
-            tokenizer,
-            prompt_token_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
+            tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
         self.token_ids: list[int] = []
@@ -150,29 +132,18 @@ class RequestState:
     def completion(self) -> CompletionOutput:
         """The whole completion so far (FINAL_ONLY) or only the new part (DELTA)."""
         text = "" if self.detokenizer is None else self.detokenizer.output_text
-        if self.output_kind == OutputKind.DELTA:
+        if self.output_kind == OutputKind.FINAL_ONLY:
+            token_ids, logprobs = list(self.token_ids), self.logprobs
+        else:
             end = len(text) if self.finish_reason is not None else len(text) - self._stop_holdback
             end = max(end, self._sent_text_len)
-            c = CompletionOutput(
-                index=self.index,
-                text=text[self._sent_text_len : end],
-                token_ids=self.token_ids[self._sent_tokens :],
-                cumulative_logprob=self.cumulative_logprob,
-                logprobs=None if self.logprobs is None else self.logprobs[self._sent_logprobs :],
-                finish_reason=self.finish_reason,
-                stop_reason=self.stop_reason,
-            )
+            text, token_ids = text[self._sent_text_len : end], self.token_ids[self._sent_tokens :]
+            logprobs = None if self.logprobs is None else self.logprobs[self._sent_logprobs :]
             self._sent_text_len, self._sent_tokens = end, len(self.token_ids)
             self._sent_logprobs = len(self.logprobs or [])
-            return c
         return CompletionOutput(
-            index=self.index,
-            text=text,
-            token_ids=list(self.token_ids),
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
+            index=self.index, text=text, token_ids=token_ids, cumulative_logprob=self.cumulative_logprob,
+            logprobs=logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
         )
 
 
@@ -254,15 +225,9 @@ class OutputProcessor:
                 parent.num_finished += finished
                 all_done = parent.num_finished == parent.n
         return RequestOutput(
-            request_id=request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            prompt_logprobs=state.prompt_logprobs,
-            outputs=completions,
-            finished=all_done,
-            metrics=state.metrics,
-            num_cached_tokens=state.num_cached_tokens,
-            error=state.error,
+            request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs, outputs=completions, finished=all_done, metrics=state.metrics,
+            num_cached_tokens=state.num_cached_tokens, error=state.error,
         )
 
 

@@ -46,7 +46,7 @@ from pagelm.plugins.bench.hf_compare import HFLatency, build_hf_model, hf_genera
 from pagelm.plugins.bench.presets import DEMO, PRESETS, resolve_bench_model
 from pagelm.plugins.bench.roofline import DecodeCost, decode_avg_context, device_name, measure_copy_bandwidth
 from pagelm.plugins.bench.workload import TokenWorkload
-from pagelm.cli.engine_args import add_engine_args, engine_kwargs
+from pagelm.plugins.engine_args import add_engine_args, engine_kwargs
 from pagelm.spec_decode.stats import acceptance_rate, mean_acceptance_length
 
 WORKLOADS = ("random", "repeat", "code")

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pagelm.cli.engine_args import add_engine_args, engine_kwargs
 from pagelm.plugins.bench.presets import resolve_bench_model
+from pagelm.plugins.engine_args import add_engine_args, engine_kwargs
 
 
 def add_parser(sub) -> None:

@@ -30,11 +30,11 @@ import statistics
 import time
 from pathlib import Path
 
-from pagelm.cli.engine_args import add_engine_args, engine_kwargs
 from pagelm.plugins.bench.hf_compare import release_memory
 from pagelm.plugins.bench.latency import add_model_arg
 from pagelm.plugins.bench.presets import resolve_bench_model
 from pagelm.plugins.bench.roofline import device_name
+from pagelm.plugins.engine_args import add_engine_args, engine_kwargs
 
 
 def add_parser(sub) -> None:

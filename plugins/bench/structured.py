@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pagelm.cli.engine_args import add_engine_args, engine_kwargs
+from pagelm.plugins.engine_args import add_engine_args, engine_kwargs
 
 # A list of at least 64 records: far more than 256 tokens before the grammar can complete.
 DEFAULT_SCHEMA: dict[str, Any] = {

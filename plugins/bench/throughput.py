@@ -32,7 +32,7 @@ from pagelm.plugins.bench.latency import add_model_arg
 from pagelm.plugins.bench.presets import resolve_bench_model
 from pagelm.plugins.bench.roofline import device_name
 from pagelm.plugins.bench.workload import TokenWorkload
-from pagelm.cli.engine_args import add_engine_args, engine_kwargs
+from pagelm.plugins.engine_args import add_engine_args, engine_kwargs
 
 
 def add_parser(sub) -> None:

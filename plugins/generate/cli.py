@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagelm.cli.engine_args import add_engine_args, engine_kwargs
+from pagelm.plugins.engine_args import add_engine_args, engine_kwargs
 
 
 def add_parser(sub) -> None:

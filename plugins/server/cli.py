@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 
-from pagelm.cli.engine_args import add_engine_args, engine_kwargs
+from pagelm.plugins.engine_args import add_engine_args, engine_kwargs
 from pagelm.plugins.server.media import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_MAX_IMAGE_BYTES, ImageFetcher
 from pagelm.plugins.server import (
     DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_SEQUENCES_PER_REQUEST,

@@ -18,6 +18,7 @@ import numpy as np
 from pagelm.config import EngineConfig
 from pagelm.kv_cache import KVCacheManager, cdiv, make_block_hasher
 from pagelm.plugin_manager import get_plugin_manager
+from pagelm.registry import raise_problems
 from pagelm.request import Request
 from pagelm.sampling_params import SamplingParams
 from pagelm.sched.scheduler import Scheduler
@@ -137,9 +138,7 @@ def simulate(
     cost = cost or CostModel()
     engine_config = config.engine_config(policy)
     policy_cls = get_plugin_manager().scheduling_policies().get(policy)
-    problems = policy_cls.validate(engine_config)
-    if problems:
-        raise ValueError(f"scheduling_policy={policy!r}: " + "; ".join(problems))
+    raise_problems(f"scheduling_policy={policy!r}", policy_cls.validate(engine_config))
     max_model_len = max(r.prompt_len + (r.max_tokens or r.output_len) for r in trace)
     if cdiv(max_model_len, config.block_size) > config.num_kv_blocks:
         raise ValueError(

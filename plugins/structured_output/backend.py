@@ -12,6 +12,7 @@ import torch
 
 from pagelm.plugins.structured_output.grammar import CompiledGrammar, GrammarOffload, StructuredOutputGrammar
 from pagelm.plugins.structured_output.manager import GrammarManager
+from pagelm.registry import raise_problems
 from pagelm.structured_output import StructuredOutputBackend
 
 if TYPE_CHECKING:
@@ -87,9 +88,7 @@ class GrammarBackend(StructuredOutputBackend):
     def build(cls, config: "EngineConfig", vocab_size: int, eos_token_ids: frozenset[int]) -> "GrammarBackend":
         """An instance with the model's tokenizer (the manager and the grammar process each
         build one, on first use)."""
-        problems = cls.validate(config)
-        if problems:
-            raise ValueError(f"structured_output_backend={cls.name!r}: " + "; ".join(problems))
+        raise_problems(f"structured_output_backend={cls.name!r}", cls.validate(config))
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model, trust_remote_code=config.trust_remote_code)

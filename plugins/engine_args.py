@@ -1,6 +1,6 @@
-"""Engine flags for every subcommand: one flag per ``EngineConfig`` field (``--max-num-seqs``
-for ``max_num_seqs``), plus ``--config file.yaml`` whose keys are the same names. Precedence:
-defaults < YAML < flags given on the command line."""
+"""Engine flags for the subcommands that build an engine (``serve``, ``generate``, ``bench``):
+one flag per ``EngineConfig`` field (``--max-num-seqs`` for ``max_num_seqs``), plus ``--config
+file.yaml`` whose keys are the same names. Precedence: defaults < YAML < flags given."""
 
 from __future__ import annotations
 

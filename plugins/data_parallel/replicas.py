@@ -1,6 +1,6 @@
 """Data parallelism: ``data_parallel_size`` engine cores behind the one-core interface that
-``LLMEngine`` and ``AsyncLLM`` drive, with a router plugin (``pagelm.router``) picking the
-replica of each new request::
+``LLMEngine`` and ``AsyncLLM`` drive (the ``pagelm_register_data_parallel`` hook), with a
+router plugin (``pagelm.router``) picking the replica of each new request::
 
     add_request(r) --router.route(r, loads)--> replica i    (remembered: r's aborts, stop
     abort / stop by request id ----------------> replica i      strings and outputs are i's)
@@ -26,6 +26,7 @@ from pagelm.engine.core_client import CoreStep, EngineDeadError, next_output
 from pagelm.engine.core_loop import SchedulerStats
 from pagelm.engine.core_output import EngineCoreOutput
 from pagelm.plugin_manager import get_plugin_manager
+from pagelm.registry import raise_problems
 from pagelm.request import Request
 from pagelm.router import ReplicaLoad
 
@@ -40,19 +41,17 @@ def replica_config(config: EngineConfig, index: int) -> EngineConfig:
 
 
 class DataParallelCore:
-    def __init__(
-        self, config: EngineConfig, eos_token_ids: frozenset[int], core_factory: Callable[..., Any], in_process: bool
-    ) -> None:
+    def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int], core_factory: Callable[..., Any]) -> None:
         n = config.data_parallel_size
         router_cls = get_plugin_manager().routers().get(config.data_parallel_router)
         problems = router_cls.validate(config)
+        in_process = not getattr(core_factory, "runs_in_own_process", False)
         if in_process and config.world_size > 1:
             problems.append(
                 "replicas in one process cannot each have tensor/pipeline-parallel ranks (one torch.distributed "
                 "group per process): use AsyncLLM or `pagelm serve`, which run each replica in its own process"
             )
-        if problems:
-            raise ValueError(f"data_parallel_size={n}: " + "; ".join(problems))
+        raise_problems(f"data_parallel_size={n}", problems)
         self.router = router_cls(config, n)
         self.replicas: list[Any] = []
         try:

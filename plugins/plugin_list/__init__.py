@@ -1,0 +1,12 @@
+"""The ``pagelm plugins`` command, registered as a plugin (``pagelm_register_cli_commands``)."""
+
+from pagelm import hookimpl
+
+PAGELM_PLUGIN_API = "2.9"
+
+
+@hookimpl
+def pagelm_register_cli_commands(registry) -> None:
+    from pagelm.plugins.plugin_list.cli import add_parser
+
+    registry.add("plugins", add_parser)
