@@ -45,7 +45,10 @@ from typing import Any
 # 2.8 added the multimodal contract (pagelm.multimodal: SupportsMultiModal, a model's
 # MultiModalProcessor, MultiModalFeature) and the optional inputs_embeds argument of a model's
 # forward (docs/plugins.md, migration to 2.8).
-PLUGIN_API_VERSION = "2.8"
+# 2.9 added a vision-language model's own rotary positions (M-RoPE): the optional
+# SupportsMultiModal.position_rows and get_input_positions, and pagelm.multimodal.RequestPositions
+# (docs/plugins.md, migration to 2.9).
+PLUGIN_API_VERSION = "2.9"
 PLUGIN_API_ATTRIBUTE = "PAGELM_PLUGIN_API"
 
 _VERSION_RE = re.compile(r"^(\d+)(?:\.(\d+))?$")

@@ -3,7 +3,7 @@ command runs."""
 
 from pagelm import hookimpl
 
-PAGELM_PLUGIN_API = "2.8"
+PAGELM_PLUGIN_API = "2.9"
 
 
 @hookimpl

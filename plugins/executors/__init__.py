@@ -5,7 +5,7 @@ from pagelm import hookimpl
 from pagelm.plugins.executors.mp import MultiprocessingExecutor, UniExecutor
 from pagelm.plugins.executors.ray_executor import RayExecutor
 
-PAGELM_PLUGIN_API = "2.8"
+PAGELM_PLUGIN_API = "2.9"
 
 
 @hookimpl
