@@ -298,12 +298,13 @@ QWEN2_VL_IMAGE = VISION_START + IMAGE_PAD + VISION_END
 
 def build_tiny_qwen2_vl(out_dir: str | Path, *, seed: int = 0, patch_size: int = 7,
                         min_pixels: int = 28 * 28, max_pixels: int = 14 * 14 * 20,
-                        dtype: torch.dtype = torch.float32) -> Path:
+                        dtype: torch.dtype = torch.float32, **config_overrides: Any) -> Path:
     """A random Qwen2-VL checkpoint: a 2-block vision transformer (``patch_size`` 7, 2 x 2
     merge: one embedding per 14 x 14 pixels, images resized to 4 .. 20 of them), a 2-layer
     Qwen2 with M-RoPE (``mrope_section`` [2, 3, 3] of 8 frequencies); its tokenizer has
     Qwen2-VL's vision specials, and ``preprocessor_config.json`` is Qwen2-VL's image processor
-    with those pixel bounds."""
+    with those pixel bounds. ``config_overrides`` go into ``Qwen2VLConfig`` (e.g.
+    ``tie_word_embeddings=True``, as Qwen2-VL-2B has)."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
     out = Path(out_dir)
@@ -325,6 +326,7 @@ def build_tiny_qwen2_vl(out_dir: str | Path, *, seed: int = 0, patch_size: int =
     config = Qwen2VLConfig(
         text_config=text_config, vision_config=vision_config, image_token_id=ids[IMAGE_PAD],
         video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
+        **config_overrides,
     )
     config.dtype = dtype
     torch.manual_seed(seed)

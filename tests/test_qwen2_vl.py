@@ -179,3 +179,17 @@ def test_images_of_different_sizes_get_their_own_embedding_counts(qwen2_vl_dir):
         # Bounded by max_pixels (3,920: 400x300 shrinks to 70x42) and min_pixels (784: 10x10 grows to 28x28).
         assert mm.num_embeddings(mm.preprocess(image(5, 400, 300))) == 5 * 3
         assert mm.num_embeddings(mm.preprocess(image(6, 10, 10))) == 2 * 2
+
+
+def test_tied_embedding_checkpoint_equals_hugging_face(tmp_path):
+    """Qwen2-VL-2B ties its LM head to the embedding (on the outer config in transformers 5)."""
+    model_dir = build_tiny_qwen2_vl(tmp_path / "tied", seed=1, tie_word_embeddings=True)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir).eval()
+    assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
+    text, images = CASES[1]
+    enc = hf_inputs(model_dir, text, images)
+    with torch.no_grad():
+        hf = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False)[0, enc["input_ids"].shape[1]:].tolist()
+    with LLM(str(model_dir), device="cpu", block_size=4) as llm:
+        out = llm.generate(prompts()[1], GREEDY, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == hf
