@@ -15,6 +15,7 @@ from pagelm import LLM, SamplingParams
 from pagelm.models.qwen2_vl import mrope_positions
 from pagelm.models.testing import IMAGE_PAD, QWEN2_VL_IMAGE, build_tiny_qwen2_vl
 from pagelm.multimodal import MultiModalFeature
+from pagelm.worker.cuda_graphs import CudaGraphRunner
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
@@ -193,3 +194,30 @@ def test_tied_embedding_checkpoint_equals_hugging_face(tmp_path):
     with LLM(str(model_dir), device="cpu", block_size=4) as llm:
         out = llm.generate(prompts()[1], GREEDY, use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == hf
+
+
+class CpuDecodeGraphs(CudaGraphRunner):
+    """The decode-graph path on CPU: nothing is captured; a replay runs eagerly the step a
+    graph records (inputs derived from the staging, deltas added, the model)."""
+
+    def replay(self, size: int):
+        self._derive_inputs(size)
+        md = self.builder.build(self.common_metadata(size, self.seq_lens[:size].clone()))
+        self.num_replays += 1
+        return self._step(size, md)
+
+
+@pytest.mark.parametrize("budget", [128, 1], ids=["whole-prompts", "one-token-chunks"])
+def test_decode_graphs_add_each_requests_delta(qwen2_vl_dir, hf_results, budget):
+    """Decode steps through the graph path stage each request's delta (images before: < 0,
+    text: 0) and still equal Hugging Face; one-token prompt chunks (uniform steps too) run
+    eagerly, since the graph has no M-RoPE columns."""
+    with LLM(str(qwen2_vl_dir), device="cpu", block_size=4, max_num_batched_tokens=budget,
+             long_prefill_token_threshold=budget) as llm:
+        runner = llm.engine.core.runner
+        runner.cuda_graphs = CpuDecodeGraphs(
+            runner.model, runner.buffers, runner.metadata_builder, [1, 2, 4], runner.max_model_len,
+            runner.block_size, position_offsets=True,
+        )
+        assert_equal_to_hf(llm.generate(prompts(), GREEDY, use_tqdm=False), hf_results)
+        assert runner.cuda_graphs.num_replays >= MAX_TOKENS - 1

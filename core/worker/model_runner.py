@@ -198,7 +198,7 @@ class ModelRunner:
         sizes = capture_sizes(self.max_num_reqs, self.config.max_num_batched_tokens)
         self.cuda_graphs = CudaGraphRunner(
             self.model, self.buffers, self.metadata_builder, sizes, self.max_model_len, self.block_size,
-            variants=self.metadata_builder.cudagraph_variants(self.config),
+            variants=self.metadata_builder.cudagraph_variants(self.config), position_offsets=self.position_rows > 1,
         )
         pool = self.cuda_graphs.capture()
         if self.spec is not None:  # graphs of steps verifying drafts, in the same memory pool
@@ -500,7 +500,7 @@ class ModelRunner:
         counts_np = np.asarray(counts, dtype=np.int64)
         starts_np = np.asarray(starts, dtype=np.int64)
 
-        if allow_graph and uniform_decode and self.cuda_graphs is not None and not self._shifted_positions(states):
+        if allow_graph and uniform_decode and self.cuda_graphs is not None and not self._in_own_prompt(states, starts_np):
             graph_size = self.cuda_graphs.padded_size(num_reqs)
             step = self._prepare_graph_inputs(states, starts_np, graph_size) if graph_size is not None else None
             if step is not None:  # None: the backend wants this batch eager
@@ -510,14 +510,14 @@ class ModelRunner:
         position_rows = self._write_positions(states, starts, counts, starts_np, counts_np, rows, positions)
         return self._upload_inputs(rows, starts_np, counts_np, uniform_decode, position_rows)
 
-    def _shifted_positions(self, states) -> bool:
-        """Whether a request of the step has positions other than its token indices past
-        its prompt (M-RoPE after an image): a decode graph derives ``seq_len - 1``, so such a
-        step runs eagerly."""
+    def _in_own_prompt(self, states, starts_np: np.ndarray) -> bool:
+        """Whether a request of the step with positions of its own (M-RoPE) computes a
+        prompt token (a one-token chunk): its positions are columns of its table, which a
+        decode graph (``seq_len - 1 + delta``) does not have, so the step runs eagerly."""
         if not self._num_positioned:
             return False
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        return bool(self._position_delta[rows].any())
+        return bool((starts_np < self._positioned_len[rows]).any())
 
     def _write_tokens(
         self, states, starts, counts, starts_np, counts_np, uniform_decode: bool, drafts
@@ -627,7 +627,8 @@ class ModelRunner:
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
         input_ids = [s.token_ids[c] for s, c in zip(states, starts_np.tolist())]
         table_rows = self.block_table_cpu[rows, :max_cols]
-        if not self.cuda_graphs.load(input_ids, seq_lens, table_rows, graph_size):
+        deltas = self._position_delta[rows] if self._num_positioned else None
+        if not self.cuda_graphs.load(input_ids, seq_lens, table_rows, graph_size, deltas):
             return None
         common = self.cuda_graphs.common_metadata(graph_size)
         return StepInputs(num_reqs, num_reqs, common, None, None, True, graph_size)
