@@ -106,7 +106,9 @@ class CudaGraphRunner:
         self.input_ids = torch.zeros(r * q, dtype=torch.int64, device=device)
         self.positions = torch.zeros(r * q, dtype=torch.int64, device=device)
         # What the model's rotary reads: ``positions`` + each request's delta (position_offsets).
-        self.rope_positions = torch.zeros(r * q, dtype=torch.int64, device=device) if position_offsets else self.positions
+        self.rope_positions = (
+            torch.zeros(r * q, dtype=torch.int64, device=device) if position_offsets else self.positions
+        )
         self.slot_mapping = torch.zeros(r * q, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(r, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(r + 1, dtype=torch.int32, device=device) * q

@@ -500,7 +500,8 @@ class ModelRunner:
         counts_np = np.asarray(counts, dtype=np.int64)
         starts_np = np.asarray(starts, dtype=np.int64)
 
-        if allow_graph and uniform_decode and self.cuda_graphs is not None and not self._in_own_prompt(states, starts_np):
+        graphable = allow_graph and uniform_decode and self.cuda_graphs is not None
+        if graphable and not self._in_own_prompt(states, starts_np):
             graph_size = self.cuda_graphs.padded_size(num_reqs)
             step = self._prepare_graph_inputs(states, starts_np, graph_size) if graph_size is not None else None
             if step is not None:  # None: the backend wants this batch eager
