@@ -237,12 +237,45 @@ def _runs(token_ids: Sequence[int], token: int) -> list[tuple[int, int]]:
     return runs
 
 
+@dataclass(slots=True)
+class RequestPositions:
+    """A request's own rotary positions, for a model whose positions are not simply each
+    token's index (Qwen2-VL's M-RoPE: a (temporal, height, width) row each). Made once when
+    the request joins the runner (again after a preemption), from its prompt and images::
+
+        prompt tokens 0 .. P-1:   positions[:, i]         (rows x P, the model's layout)
+        any later token i:        i + delta in every row  (decode; a text token after the
+                                                           last image, as the prompt's are)
+    """
+
+    positions: np.ndarray  # int64 [rows, num_prompt_tokens]
+    delta: int  # a token past the prompt sits at its index + delta
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[1]
+
+
 class SupportsMultiModal(ABC):
     """What a vision-language model adds to the model contract (a mixin beside
     ``nn.Module``). Its ``forward(input_ids, positions, inputs_embeds=None)`` takes the
-    merged embeddings when a step covers image positions; text-only steps never build them."""
+    merged embeddings when a step covers image positions; text-only steps never build them.
+
+    A model whose rotary positions depend on the images (M-RoPE) sets
+    ``position_rows`` (3 for M-RoPE) and implements ``get_input_positions``; its ``forward``
+    then takes ``positions`` either as ``[num_tokens]`` (every row equal: text and decode
+    steps, shifted by each request's ``delta``) or as ``[position_rows, num_tokens]`` (a step
+    covering some request's prompt that has images)."""
 
     multimodal_processor: ClassVar[type[MultiModalProcessor]]
+    # Rows of positions ``get_input_positions`` gives (1: positions are token indices).
+    position_rows: ClassVar[int] = 1
+
+    def get_input_positions(self, num_prompt_tokens: int, features: list[MultiModalFeature]) -> RequestPositions | None:
+        """The rotary positions of a request with images (``features``, by offset), or None
+        when they are the token indices (the default). Called once per request when it
+        joins the runner, never per step or per token."""
+        return None
 
     @abstractmethod
     def get_multimodal_embeddings(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:

@@ -7,12 +7,14 @@ from pagelm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagelm.models.llava import LlavaForConditionalGeneration
 from pagelm.models.loader import DummyLoader, SafetensorsLoader
 from pagelm.models.qwen2 import Qwen2ForCausalLM
+from pagelm.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from pagelm.models.qwen3 import Qwen3ForCausalLM
 
-PAGELM_PLUGIN_API = "2.9"
+PAGELM_PLUGIN_API = "2.11"
 
 __all__ = [
-    "LlamaForCausalLM", "LlavaForConditionalGeneration", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "LlamaForCausalLM", "LlavaForConditionalGeneration", "MistralForCausalLM", "Qwen2ForCausalLM",
+    "Qwen2VLForConditionalGeneration", "Qwen3ForCausalLM",
 ]
 
 
@@ -20,7 +22,7 @@ __all__ = [
 def pagelm_register_models(registry) -> None:
     for cls in (
         LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, LlavaForConditionalGeneration,
-        *EAGLE_HEADS,
+        Qwen2VLForConditionalGeneration, *EAGLE_HEADS,
     ):
         registry.add(cls.__name__, cls)
 

@@ -98,6 +98,48 @@ class RotaryEmbedding(nn.Module):
         return ops.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim, self.rotary_dim)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2-VL): the rotary frequencies split into sections (``mrope_section``,
+    summing to ``rotary_dim / 2``), section ``i`` turned by row ``i % 3`` of the positions
+    (temporal, height, width)::
+
+        positions [3, num_tokens]   frequency f in section i  ->  angle positions[i % 3, t] * f
+
+    ``[num_tokens]`` positions mean every row equal, which is plain RoPE: text, and decode.
+    """
+
+    def __init__(
+        self, head_dim: int, max_position: int, inv_freq: torch.Tensor, mrope_section: list[int],
+        attention_scaling: float = 1.0,
+    ) -> None:
+        super().__init__(head_dim, max_position, inv_freq, attention_scaling)
+        if sum(mrope_section) != self.rotary_dim // 2:
+            raise ValueError(f"mrope_section {mrope_section} must sum to rotary_dim / 2 = {self.rotary_dim // 2}")
+        row = torch.repeat_interleave(torch.arange(len(mrope_section)) % 3, torch.tensor(mrope_section))
+        # [rotary_dim]: the position row each cos/sin column of the cache reads.
+        self.register_buffer("row_of_column", torch.cat([row, row]), persistent=False)
+
+    @classmethod
+    def from_config(cls, config, head_dim: int) -> MRotaryEmbedding:
+        inv_freq, attention_scaling = rope_inv_freq(config, head_dim)
+        section = rope_parameters(config).get("mrope_section")
+        if section is None:
+            raise ValueError("M-RoPE needs rope_parameters['mrope_section'] in the config")
+        return cls(head_dim, config.max_position_embeddings, inv_freq, list(section), attention_scaling)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.ndim == 1:
+            return super().forward(positions, q, k)
+        num_tokens = positions.shape[-1]
+        rows = self.cos_sin_cache[positions]  # [3, num_tokens, rotary_dim]
+        cos_sin = rows.gather(0, self.row_of_column.expand(1, num_tokens, -1)).squeeze(0)
+        # Each token reads its own row of this per-step table: the same rotary op as RoPE's.
+        index = torch.arange(num_tokens, device=positions.device)
+        return ops.rotary_embedding(index, q, k, cos_sin, self.head_dim, self.rotary_dim)
+
+
 # ---------------------------------------------------------------------------------------------
 # linear layers
 # ---------------------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ def head_dim_of(config) -> int:
 
 
 class LlamaAttention(nn.Module):
+    rotary_cls: type[RotaryEmbedding] = RotaryEmbedding
+
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
@@ -46,7 +48,7 @@ class LlamaAttention(nn.Module):
             config.hidden_size, self.head_dim, num_heads, num_kv_heads, bias=self.qkv_bias(config)
         )
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, bias=attention_bias)
-        self.rotary_emb = RotaryEmbedding.from_config(config, self.head_dim)
+        self.rotary_emb = self.rotary_cls.from_config(config, self.head_dim)
         # This rank's heads (all of them without tensor parallelism).
         self.attn = Attention(
             self.qkv_proj.q_size // self.head_dim,

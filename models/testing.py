@@ -289,3 +289,54 @@ def build_tiny_llava(out_dir: str | Path, *, seed: int = 0, image_size: int = 28
         size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
     ).save_pretrained(str(out))
     return out
+
+
+VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"
+# One image in a Qwen2-VL prompt, as its chat template writes it.
+QWEN2_VL_IMAGE = VISION_START + IMAGE_PAD + VISION_END
+
+
+def build_tiny_qwen2_vl(out_dir: str | Path, *, seed: int = 0, patch_size: int = 7,
+                        min_pixels: int = 28 * 28, max_pixels: int = 14 * 14 * 20,
+                        dtype: torch.dtype = torch.float32, **config_overrides: Any) -> Path:
+    """A random Qwen2-VL checkpoint: a 2-block vision transformer (``patch_size`` 7, 2 x 2
+    merge: one embedding per 14 x 14 pixels, images resized to 4 .. 20 of them), a 2-layer
+    Qwen2 with M-RoPE (``mrope_section`` [2, 3, 3] of 8 frequencies); its tokenizer has
+    Qwen2-VL's vision specials, and ``preprocessor_config.json`` is Qwen2-VL's image processor
+    with those pixel bounds. ``config_overrides`` go into ``Qwen2VLConfig`` (e.g.
+    ``tie_word_embeddings=True``, as Qwen2-VL-2B has)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = chatml_tokenizer(Tokenizer.from_str(_trained_tokenizer_json(512)))
+    tokenizer.add_special_tokens({"additional_special_tokens": [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]})
+    tokenizer.save_pretrained(str(out))
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)}
+    text_config = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(tokenizer), max_position_embeddings=512, initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    vision_config = dict(
+        depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=patch_size,
+        spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.1,
+    )
+    config = Qwen2VLConfig(
+        text_config=text_config, vision_config=vision_config, image_token_id=ids[IMAGE_PAD],
+        video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
+        **config_overrides,
+    )
+    config.dtype = dtype
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).to(dtype).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    Qwen2VLImageProcessorPil(
+        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size, merge_size=2, temporal_patch_size=2,
+    ).save_pretrained(str(out))
+    return out

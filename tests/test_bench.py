@@ -24,6 +24,7 @@ PUBLISHED_PARAMS = {
     "llama-3.1-8b": 8_030_261_248,
     "qwen3-8b": 8_190_735_360,
     "llava-1.5-7b": 7_063_427_072,
+    "qwen2-vl-2b": 2_208_985_600,
 }
 
 
@@ -202,3 +203,21 @@ def test_llava_preset_processes_an_image_into_576_embeddings(tmp_path):
     ids, features = processor.process([1, 32000, 2], [image])
     assert features[0].data["pixel_values"].shape == (3, 336, 336)
     assert (features[0].offset, features[0].length, len(ids)) == (1, 576, 578)
+
+
+def test_qwen2_vl_preset_processes_a_640x480_image_into_391_embeddings(tmp_path):
+    """What `pagelm bench multimodal --model qwen2-vl-2b` needs before any weight: Qwen2-VL's
+    image processor from the preset directory (released min/max pixels), with no tokenizer."""
+    import numpy as np
+    from PIL import Image
+
+    from pagelm.models.qwen2_vl import Qwen2VLProcessor
+
+    path = materialize("qwen2-vl-2b", tmp_path)
+    processor = Qwen2VLProcessor(path, AutoConfig.from_pretrained(path), tokenizer=None)
+    image = Image.fromarray(np.zeros((480, 640, 3), dtype=np.uint8))
+    ids, features = processor.process([1, 151655, 2], [image])
+    # 476 x 644 pixels (multiples of 28): 34 x 46 patches of 14, 17 x 23 embeddings.
+    assert features[0].data["image_grid_thw"].tolist() == [1, 34, 46]
+    assert features[0].data["pixel_values"].shape == (34 * 46, 3 * 2 * 14 * 14)
+    assert (features[0].offset, features[0].length, len(ids)) == (1, 391, 393)

@@ -168,10 +168,11 @@ def test_unexpected_checkpoint_weight_is_an_error() -> None:
         model.load_weights([("model.layers.0.self_attn.rope_scale.weight", torch.zeros(1))])
 
 
-def test_hook_registers_the_four_architectures_their_eagle_heads_and_llava() -> None:
+def test_hook_registers_the_four_architectures_their_eagle_heads_llava_and_qwen2_vl() -> None:
     import pagelm.models
 
     registry = Registry("model")
     pagelm.models.pagelm_register_models(registry)
     archs = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
-    assert registry.names() == sorted(archs + [f"Eagle{a}" for a in archs] + ["LlavaForConditionalGeneration"])
+    vision = ["LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration"]
+    assert registry.names() == sorted(archs + [f"Eagle{a}" for a in archs] + vision)

@@ -60,3 +60,20 @@ def test_graph_inputs_are_derived_from_token_seq_len_and_block_row():
     assert graphs.slot_mapping[:4].tolist() == [9 * 4 + 1, 5 * 4 + 1, -1, -1]
     assert graphs.seq_lens[:4].tolist() == [10, 2, 1, 1]
     assert buffers.block_table[:2, :3].tolist() == block_rows.tolist()
+
+
+def test_graph_inputs_shift_rotary_positions_by_staged_deltas_not_slots():
+    """With position offsets (M-RoPE), the graph's rotary positions are each request's
+    position plus its delta; slots and seq_lens still follow the unshifted position."""
+    from pagelm.worker.cuda_graphs import CudaGraphRunner
+
+    buffers = InputBuffers(max_num_tokens=16, max_num_reqs=4, max_blocks_per_req=8, device=torch.device("cpu"))
+    graphs = CudaGraphRunner(model=None, buffers=buffers, builder=None, sizes=[1, 2, 4], max_seq_len=128,
+                             block_size=4, position_offsets=True)
+    block_rows = np.array([[7, 3, 9], [5, 0, 0]], dtype=np.int32)
+    graphs.load([11, 22], np.array([10, 2]), block_rows, size=4, deltas=np.array([-5, 0]))
+    graphs._derive_inputs(4)
+    assert graphs.positions[:4].tolist() == [9, 1, 0, 0]
+    assert graphs.rope_positions[:4].tolist() == [4, 1, 0, 0]
+    assert graphs.slot_mapping[:4].tolist() == [9 * 4 + 1, 5 * 4 + 1, -1, -1]
+    assert buffers.block_table[:2, :3].tolist() == block_rows.tolist()

@@ -28,6 +28,12 @@ which still holds those positions' keys. Padding in front rather than behind kee
 position below ``seq_len``, so inside the request's allocated blocks and ``max_model_len``
 (positions below 0, a prompt shorter than ``q``, are clamped to 0; no real token sees them).
 
+A model with positions of its own (M-RoPE, ``position_offsets=True``) also stages one offset
+per request, its ``delta``: the graph feeds the model ``positions + delta`` while the slots
+still follow ``positions`` (a decode token past a prompt with images sits at its index + delta)::
+
+    pinned staging (int64):  | input_ids [R x q] | seq_lens [R] | deltas [R] | block rows [n x cols] |
+
 The attention backend's ``build_for_cudagraph`` makes its host-side choices from the batch
 size (and ``q``) alone; ``prepare_cudagraph_replay`` (optional) lets it refresh its own
 buffers per step.
@@ -76,6 +82,7 @@ class CudaGraphRunner:
         block_size: int,
         query_len: int = 1,
         variants: tuple[str, ...] = ("",),
+        position_offsets: bool = False,
     ) -> None:
         self.model = model
         # Graphs per size: the plain one (""), and any the backend asked for (cudagraph_variants).
@@ -89,12 +96,19 @@ class CudaGraphRunner:
         self.block_table = buffers.block_table  # shared with eager steps: full-width rows
         r, max_blocks = self.max_size, buffers.max_blocks_per_req
         device = buffers.device
-        self.staging = torch.zeros(r * q + r + r * max_blocks, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.position_offsets = position_offsets
+        # Where the block rows start in the staging (after the deltas, when there are any).
+        self._rows_at = r * q + r + (r if position_offsets else 0)
+        self.staging = torch.zeros(self._rows_at + r * max_blocks, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.staging_np = self.staging.numpy()
         self.staging_dev = torch.zeros_like(self.staging, device=device)
         # Written by the graph from the staging copy.
         self.input_ids = torch.zeros(r * q, dtype=torch.int64, device=device)
         self.positions = torch.zeros(r * q, dtype=torch.int64, device=device)
+        # What the model's rotary reads: ``positions`` + each request's delta (position_offsets).
+        self.rope_positions = (
+            torch.zeros(r * q, dtype=torch.int64, device=device) if position_offsets else self.positions
+        )
         self.slot_mapping = torch.zeros(r * q, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(r, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(r + 1, dtype=torch.int32, device=device) * q
@@ -135,10 +149,13 @@ class CudaGraphRunner:
         )
 
     # ---- per step ------------------------------------------------------------------------
-    def load(self, input_ids, seq_lens: np.ndarray, block_rows: np.ndarray, size: int) -> bool:
+    def load(
+        self, input_ids, seq_lens: np.ndarray, block_rows: np.ndarray, size: int, deltas: np.ndarray | None = None
+    ) -> bool:
         """Stage ``n = len(block_rows)`` requests padded to ``size``: ``input_ids`` holds
         ``q`` ids per request (``PAD_TOKEN`` in front of a request with fewer), ``seq_lens``
-        each request's length after this step. False: the attention backend declined the
+        each request's length after this step, ``deltas`` (``position_offsets`` only) the
+        shift of each request's rotary positions. False: the attention backend declined the
         graph for this batch (run it eagerly)."""
         n, cols = block_rows.shape
         q, r, host = self.query_len, self.max_size, self.staging_np
@@ -147,10 +164,14 @@ class CudaGraphRunner:
         host[n * q : size * q] = PAD_TOKEN
         host[rq : rq + n] = seq_lens
         host[rq + n : rq + size] = 0
-        end = rq + r + n * cols
-        host[rq + r : end] = block_rows.reshape(-1)
+        if self.position_offsets:
+            host[rq + r : rq + r + n] = 0 if deltas is None else deltas
+            host[rq + r + n : rq + r + size] = 0
+        rows_at = self._rows_at
+        end = rows_at + n * cols
+        host[rows_at:end] = block_rows.reshape(-1)
         self.staging_dev[:end].copy_(self.staging[:end], non_blocking=True)
-        self.block_table[:n, :cols].copy_(self.staging_dev[rq + r : end].view(n, cols), non_blocking=True)
+        self.block_table[:n, :cols].copy_(self.staging_dev[rows_at:end].view(n, cols), non_blocking=True)
         self._variant = ""
         if not self._builder_prepares:
             return True
@@ -193,6 +214,7 @@ class CudaGraphRunner:
                 self.staging_dev, self.block_table, self.input_ids, self.positions, self.seq_lens,
                 self.slot_mapping, size=size, query_len=q, seq_lens_offset=rq, block_size=bs,
             )
+            self._shift_positions(size)
             return
         tokens = self.staging_dev[:num_tokens].view(size, q)
         raw_seq_lens = self.staging_dev[rq : rq + size]
@@ -204,12 +226,23 @@ class CudaGraphRunner:
         real = (tokens >= 0) & (raw_seq_lens > 0)[:, None]
         slots = torch.where(real, block * bs + positions % bs, -1)
         self.slot_mapping[:num_tokens].copy_(slots.view(-1))
+        self._shift_positions(size)
+
+    def _shift_positions(self, size: int) -> None:
+        """In-graph, with ``position_offsets``: the rotary positions, each request's
+        positions plus its staged delta."""
+        if not self.position_offsets:
+            return
+        q, rq = self.query_len, self.max_size * self.query_len
+        deltas = self.staging_dev[rq + self.max_size : rq + self.max_size + size]
+        shifted = self.positions[: size * q].view(size, q) + deltas[:, None]
+        self.rope_positions[: size * q].copy_(shifted.view(-1))
 
     def _step(self, size: int, md) -> tuple[torch.Tensor, torch.Tensor]:
         self._derive_inputs(size)
         num_tokens = size * self.query_len
         with forward_context(ForwardContext(attn_metadata=md)):
-            hidden = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
+            hidden = self.model(self.input_ids[:num_tokens], self.rope_positions[:num_tokens])
         return hidden, self.model.compute_logits(hidden)
 
     @torch.inference_mode()

@@ -35,13 +35,22 @@ class InputBuffers:
         positions     | c0 ... c0+n0-1       | c1 ... c1+n1-1       | ... |    0    |
         slot_mapping  block_table[r][pos // block_size] * block_size + pos % block_size  (-1: padding)
 
+    A model with positions of its own (M-RoPE, ``position_rows`` = 3) also gets
+    ``row_positions``: a step covering such a request's prompt lays out ``[rows, num_tokens]``
+    in its first ``rows * num_tokens`` entries (contiguous, one upload).
+
     ``block_table`` keeps its full width (``max_blocks_per_req``) on the device so that kernels
     captured in a CUDA graph see one fixed row stride; a step uploads only the columns its
     longest request uses, through a packed staging buffer, then spreads them with one device copy.
     """
 
     def __init__(
-        self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, device: torch.device
+        self,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        device: torch.device,
+        position_rows: int = 1,
     ) -> None:
         self.device = device
         self.max_num_tokens = max_num_tokens
@@ -49,6 +58,7 @@ class InputBuffers:
         self.max_blocks_per_req = max_blocks_per_req
         self.input_ids = _Pair((max_num_tokens,), torch.int64, device)
         self.positions = _Pair((max_num_tokens,), torch.int64, device)
+        self.row_positions = _Pair((position_rows * max_num_tokens,), torch.int64, device) if position_rows > 1 else None
         self.slot_mapping = _Pair((max_num_tokens,), torch.int64, device)
         self.query_start_loc = _Pair((max_num_reqs + 1,), torch.int32, device)
         self.seq_lens = _Pair((max_num_reqs,), torch.int32, device)

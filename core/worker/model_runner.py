@@ -37,6 +37,7 @@ from pagelm.distributed import parallel_state
 from pagelm.kv_cache import cdiv
 from pagelm.kv_offload import KVCopier, KVOffload
 from pagelm.kernels import fused_kernel
+from pagelm.multimodal import SupportsMultiModal
 from pagelm.sample import Sampler, SamplerOutput, SamplingMetadata
 from pagelm.sample.bitmask import apply_token_bitmask, upload_bitmask
 from pagelm.sample.request_logits import build_logits_row
@@ -82,7 +83,11 @@ class ModelRunner:
         self.block_table_cpu = np.zeros((self.max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self._free_rows = list(range(self.max_num_reqs - 1, -1, -1))
         self._arange = np.arange(self.max_num_reqs + 1, dtype=np.int32)
-        self.buffers = InputBuffers(config.max_num_batched_tokens, self.max_num_reqs, max_blocks_per_req, device)
+        # Models with positions of their own (M-RoPE): rows of positions a prompt step feeds.
+        self.position_rows = model.position_rows if isinstance(model, SupportsMultiModal) else 1
+        self.buffers = InputBuffers(
+            config.max_num_batched_tokens, self.max_num_reqs, max_blocks_per_req, device, self.position_rows
+        )
         self.metadata_builder = backend.make_metadata_builder(device)
         self.metadata_builder.configure(config)
         self.kv_caches: list[torch.Tensor] = []
@@ -106,6 +111,12 @@ class ModelRunner:
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.num_encoded_images = 0
         self._num_mm_requests = 0
+        # Requests with positions of their own (pagelm.multimodal.RequestPositions), and per
+        # block-table row the shift of their tokens past the prompt and their prompt length
+        # (both 0 for every other row), so a step finds them without a loop over requests.
+        self._num_positioned = 0
+        self._position_delta = np.zeros(self.max_num_reqs, dtype=np.int64)
+        self._positioned_len = np.zeros(self.max_num_reqs, dtype=np.int64)
 
     def enable_speculative_decoding(self, proposer) -> None:
         """Verify drafts and ask ``proposer`` for new ones every step. Before the KV cache is
@@ -187,7 +198,7 @@ class ModelRunner:
         sizes = capture_sizes(self.max_num_reqs, self.config.max_num_batched_tokens)
         self.cuda_graphs = CudaGraphRunner(
             self.model, self.buffers, self.metadata_builder, sizes, self.max_model_len, self.block_size,
-            variants=self.metadata_builder.cudagraph_variants(self.config),
+            variants=self.metadata_builder.cudagraph_variants(self.config), position_offsets=self.position_rows > 1,
         )
         pool = self.cuda_graphs.capture()
         if self.spec is not None:  # graphs of steps verifying drafts, in the same memory pool
@@ -201,6 +212,12 @@ class ModelRunner:
         self.block_table_cpu[state.row, : len(state.block_ids)] = state.block_ids
         self.requests[state.req_id] = state
         self._num_mm_requests += bool(state.mm_features)
+        if state.mm_features and self.position_rows > 1:
+            state.positions = self.model.get_input_positions(state.num_prompt_tokens, state.mm_features)
+        if state.positions is not None:
+            self._num_positioned += 1
+            self._position_delta[state.row] = state.positions.delta
+            self._positioned_len[state.row] = state.positions.num_tokens
         return state
 
     def _remove_state(self, req_id: str) -> None:
@@ -208,6 +225,9 @@ class ModelRunner:
         if state is not None:
             self._free_rows.append(state.row)
             self._num_mm_requests -= bool(state.mm_features)
+            if state.positions is not None:
+                self._num_positioned -= 1
+                self._position_delta[state.row] = self._positioned_len[state.row] = 0
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
@@ -499,19 +519,32 @@ class ModelRunner:
         counts_np = np.asarray(counts, dtype=np.int64)
         starts_np = np.asarray(starts, dtype=np.int64)
 
-        if allow_graph and uniform_decode and self.cuda_graphs is not None:
+        graphable = allow_graph and uniform_decode and self.cuda_graphs is not None
+        if graphable and not self._in_own_prompt(states, starts_np):
             graph_size = self.cuda_graphs.padded_size(num_reqs)
             step = self._prepare_graph_inputs(states, starts_np, graph_size) if graph_size is not None else None
             if step is not None:  # None: the backend wants this batch eager
                 return step
 
-        rows = self._write_tokens(states, starts, counts, starts_np, counts_np, uniform_decode, drafts)
-        return self._upload_inputs(rows, starts_np, counts_np, uniform_decode)
+        rows, positions = self._write_tokens(states, starts, counts, starts_np, counts_np, uniform_decode, drafts)
+        position_rows = self._write_positions(states, starts, counts, starts_np, counts_np, rows, positions)
+        return self._upload_inputs(rows, starts_np, counts_np, uniform_decode, position_rows)
 
-    def _write_tokens(self, states, starts, counts, starts_np, counts_np, uniform_decode: bool, drafts) -> np.ndarray:
-        """The host side of ``prepare_inputs``: query starts, sequence lengths, token ids,
-        positions and slots of the flattened batch, in the buffers' host arrays. Returns the
-        requests' block-table rows."""
+    def _in_own_prompt(self, states, starts_np: np.ndarray) -> bool:
+        """Whether a request of the step with positions of its own (M-RoPE) computes a
+        prompt token (a one-token chunk): its positions are columns of its table, which a
+        decode graph (``seq_len - 1 + delta``) does not have, so the step runs eagerly."""
+        if not self._num_positioned:
+            return False
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        return bool((starts_np < self._positioned_len[rows]).any())
+
+    def _write_tokens(
+        self, states, starts, counts, starts_np, counts_np, uniform_decode: bool, drafts
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The host side of ``prepare_inputs``: query starts, sequence lengths, token ids
+        and slots of the flattened batch, in the buffers' host arrays. Returns the requests'
+        block-table rows and each token's index in its request (its slot's position)."""
         b, bs = self.buffers, self.block_size
         num_reqs, num_tokens = len(states), int(counts_np.sum())
         qsl = b.query_start_loc.np
@@ -538,13 +571,39 @@ class ModelRunner:
             b.input_ids.np[:num_tokens] = np.fromiter(
                 itertools.chain.from_iterable(pieces), dtype=np.int64, count=num_tokens
             )
-        b.positions.np[:num_tokens] = positions
         b.slot_mapping.np[:num_tokens] = (
             self.block_table_cpu[block_rows, positions // bs].astype(np.int64) * bs + positions % bs
         )
-        return rows
+        return rows, positions
 
-    def _upload_inputs(self, rows: np.ndarray, starts_np, counts_np, uniform_decode: bool) -> StepInputs:
+    def _write_positions(self, states, starts, counts, starts_np, counts_np, rows, positions: np.ndarray) -> int:
+        """The positions the model's rotary embedding reads, in the buffers' host arrays:
+        each token's index, except for requests with positions of their own
+        (``CachedRequestState.positions``): their prompt tokens take their columns, later
+        tokens their index + delta. Returns the rows written: 1 (``positions``), or
+        ``position_rows`` (``row_positions``) when a request's chunk lies in its prompt."""
+        b = self.buffers
+        num_tokens = int(counts_np.sum())
+        if not self._num_positioned:
+            b.positions.np[:num_tokens] = positions
+            return 1
+        shifted = positions + np.repeat(self._position_delta[rows], counts_np)
+        in_prompt = np.flatnonzero(starts_np < self._positioned_len[rows])
+        if in_prompt.size == 0:  # decode, or text after every prompt: one row does
+            b.positions.np[:num_tokens] = shifted
+            return 1
+        k, qsl = self.position_rows, b.query_start_loc.np
+        out = b.row_positions.np[: k * num_tokens].reshape(k, num_tokens)
+        out[:] = shifted
+        for i in in_prompt.tolist():
+            own, start = states[i].positions, starts[i]
+            end = min(start + counts[i], own.num_tokens)
+            out[:, qsl[i] : qsl[i] + end - start] = own.positions[:, start:end]
+        return k
+
+    def _upload_inputs(
+        self, rows: np.ndarray, starts_np, counts_np, uniform_decode: bool, position_rows: int = 1
+    ) -> StepInputs:
         """The device side of ``prepare_inputs``: the written arrays and the block-table rows
         uploaded, and the attention metadata every backend builds from."""
         b, bs = self.buffers, self.block_size
@@ -553,7 +612,10 @@ class ModelRunner:
         table_rows = self.block_table_cpu[rows, : cdiv(max_seq_len, bs)]
         block_table = b.upload_block_table(table_rows)
         input_ids = b.input_ids.upload(num_tokens)
-        positions_dev = b.positions.upload(num_tokens)
+        if position_rows == 1:
+            positions_dev = b.positions.upload(num_tokens)
+        else:
+            positions_dev = b.row_positions.upload(position_rows * num_tokens).view(position_rows, num_tokens)
         slot_mapping = b.slot_mapping.upload(num_tokens)
         seq_lens_dev = b.seq_lens.upload(num_reqs)
         query_start_loc = b.query_start_loc.upload(num_reqs + 1)
@@ -572,7 +634,7 @@ class ModelRunner:
             block_table_cpu=torch.from_numpy(table_rows),
         )
         return StepInputs(
-            num_reqs, num_tokens, common, input_ids[:num_tokens], positions_dev[:num_tokens], uniform_decode
+            num_reqs, num_tokens, common, input_ids[:num_tokens], positions_dev[..., :num_tokens], uniform_decode
         )
 
     def _prepare_graph_inputs(self, states, starts_np: np.ndarray, graph_size: int) -> StepInputs | None:
@@ -585,7 +647,8 @@ class ModelRunner:
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
         input_ids = [s.token_ids[c] for s, c in zip(states, starts_np.tolist())]
         table_rows = self.block_table_cpu[rows, :max_cols]
-        if not self.cuda_graphs.load(input_ids, seq_lens, table_rows, graph_size):
+        deltas = self._position_delta[rows] if self._num_positioned else None
+        if not self.cuda_graphs.load(input_ids, seq_lens, table_rows, graph_size, deltas):
             return None
         common = self.cuda_graphs.common_metadata(graph_size)
         return StepInputs(num_reqs, num_reqs, common, None, None, True, graph_size)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagelm.attention import CommonAttentionMetadata
+from pagelm.multimodal import RequestPositions
 from pagelm.sampling_params import SamplingParams
 
 
@@ -28,6 +29,9 @@ class CachedRequestState:
     logits_row: torch.Tensor | None = None
     # Its images (pagelm.multimodal.MultiModalFeature), by offset; empty for text.
     mm_features: list = field(default_factory=list)
+    # Its own rotary positions (pagelm.multimodal.RequestPositions; M-RoPE), made when it
+    # joins the runner; None: each token's index.
+    positions: RequestPositions | None = None
 
 
 @dataclass

@@ -13,9 +13,10 @@
   per output token (TPOT) and tokens/s, once text-only and once with an image in each prompt,
   on the same engine (the language model alone decodes either way: the numbers should agree).
 
-``--model llava-1.5-7b`` (or ``qwen2-vl-2b``'s shapes when that architecture exists) runs
-the preset with random weights and no tokenizer; a model directory (e.g. one built by
-``pagelm.models.testing.build_tiny_llava``) runs as it is.
+``--model llava-1.5-7b`` or ``--model qwen2-vl-2b`` runs the preset with random weights and
+no tokenizer (Qwen2-VL keeps each image's size: 640x480 is 391 embeddings, where LLaVA crops
+every image to 576); a model directory (e.g. one built by
+``pagelm.models.testing.build_tiny_llava`` or ``build_tiny_qwen2_vl``) runs as it is.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def add_parser(sub) -> None:
         "multimodal", help="vision-language models: TTFT with/without an encoder-cache hit, encoder images/s, TPOT",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", required=True, help="model directory or a multimodal preset (llava-1.5-7b)")
+    p.add_argument("--model", required=True, help="model directory or a multimodal preset (llava-1.5-7b, qwen2-vl-2b)")
     p.add_argument("--input-len", type=int, default=64, help="text tokens around the image (default: %(default)s)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens in the decode run (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts in the decode run (default: %(default)s)")

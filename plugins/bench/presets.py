@@ -133,7 +133,33 @@ PRESETS["llava-1.5-7b"] = {
         "layer_norm_eps": 1e-5, "projection_dim": 768,
     },
 }
+# Qwen2-VL-2B (Qwen/Qwen2-VL-2B-Instruct): a 32-block, 1280-wide vision transformer (14 px
+# patches, 2 x 2 merge: a 640x480 image is 391 embeddings) and a 28-layer Qwen2 (1536 wide,
+# GQA 12/2, tied embedding) with M-RoPE. Its directory also gets Qwen2-VL's
+# preprocessor_config.json (min/max pixels of the released checkpoint).
+PRESETS["qwen2-vl-2b"] = {
+    "architectures": ["Qwen2VLForConditionalGeneration"],
+    "model_type": "qwen2_vl",
+    "bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653, "image_token_id": 151655, "video_token_id": 151656,
+    "hidden_act": "silu", "hidden_size": 1536, "intermediate_size": 8960, "max_position_embeddings": 32768,
+    "max_window_layers": 28, "num_attention_heads": 12, "num_hidden_layers": 28, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": 32768, "use_sliding_window": False,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 151936,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {
+        "depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_channels": 3, "hidden_size": 1536,
+        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "hidden_act": "quick_gelu",
+    },
+}
 PRESET_FILES: dict[str, dict[str, dict[str, Any]]] = {
+    "qwen2-vl-2b": {
+        "preprocessor_config.json": {
+            "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 3136, "max_pixels": 12845056,
+            "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        },
+    },
     "llava-1.5-7b": {
         "preprocessor_config.json": {
             "image_processor_type": "CLIPImageProcessor", "do_resize": True, "size": {"shortest_edge": 336},
