@@ -256,7 +256,7 @@ def test_hook_pagelm_register_data_parallel(llama_dir, monkeypatch):
             super().__init__(config, eos_token_ids, core_factory)
 
     class Plugin:
-        PAGELM_PLUGIN_API = "2.9"
+        PAGELM_PLUGIN_API = "2.10"
 
         @hookimpl
         def pagelm_register_data_parallel(self, registry):
