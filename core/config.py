@@ -82,7 +82,7 @@ class EngineConfig:
     # step loop then never waits for the GIL on grammar work. None: on where the engine runs
     # on CUDA with async scheduling (there the host time of a step is what it costs).
     structured_output_process: bool | None = None
-    # Speculative decoding: {"method": "ngram" | "eagle", "num_speculative_tokens": k, ...}
+    # Speculative decoding: {"method": "ngram" | "eagle" | "medusa", "num_speculative_tokens": k, ...}
     # (see pagelm.spec_decode.config); None = off.
     speculative_config: dict[str, Any] | None = None
     # Most logprobs (and prompt_logprobs) one request may ask for, as vLLM's max_logprobs:
