@@ -114,7 +114,7 @@ def test_heads_without_their_own_lm_heads_use_the_targets(medusa_heads):
     stats = []
     for own in (True, False):
         target, heads = medusa_heads("llama", own_lm_head=own)
-        assert ("0.1.weight" in json.dumps(list(_names(heads)))) == own
+        assert ("0.1.weight" in _names(heads)) == own
         llm, outs = run(target, prompts, speculative_config=medusa(heads, adaptive=False))
         s = llm.engine.core.scheduler.spec_decoding_stats
         stats.append(([o.outputs[0].token_ids for o in outs], s.num_draft_tokens, s.num_accepted_tokens))
@@ -195,6 +195,10 @@ def test_train_eagle_method_medusa_writes_heads_the_proposer_loads(llama_dir, tm
                  "--steps", "0", "--medusa-num-heads", "3"]) == 0
     config = json.loads((out / "config.json").read_text())
     assert (config["medusa_num_heads"], config["medusa_num_layers"]) == (3, 1)
+    assert "2.1.weight" in _names(out)  # each head's own LM head
+    assert main(["train-eagle", "--method", "medusa", "--target", str(llama_dir), "--out", str(tmp_path / "shared"),
+                 "--steps", "0", "--medusa-shared-lm-head"]) == 0
+    assert not any(name.endswith(".1.weight") for name in _names(tmp_path / "shared"))
     llm, outs = run(llama_dir, [{"prompt_token_ids": [11, 12, 13] * 4}], speculative_config=medusa(out))
     assert llm.engine.core.runner.spec.proposer.heads.num_heads == 3
 

@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
                    help="medusa: heads to train, the most drafts per step (default: %(default)s)")
     p.add_argument("--medusa-num-layers", type=int, default=1,
                    help="medusa: residual blocks per head (default: %(default)s)")
+    p.add_argument("--medusa-shared-lm-head", action="store_true",
+                   help="medusa: save no LM head per head; serving uses the target's (far smaller for large vocabularies)")
     p.set_defaults(func=run)
 
 
@@ -49,7 +51,10 @@ def run(args: argparse.Namespace) -> int:
     if args.method == "medusa":
         from pagelm.plugins.spec_decode.medusa_train import MedusaTrainConfig, train_medusa_heads
 
-        cfg = MedusaTrainConfig(num_heads=args.medusa_num_heads, num_layers=args.medusa_num_layers, **common)
+        cfg = MedusaTrainConfig(
+            num_heads=args.medusa_num_heads, num_layers=args.medusa_num_layers,
+            own_lm_head=not args.medusa_shared_lm_head, **common,
+        )
         train_medusa_heads(target, args.out, cfg)
         return 0
     from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
