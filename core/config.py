@@ -89,8 +89,8 @@ class EngineConfig:
     # step loop then never waits for the GIL on grammar work. None: on where the engine runs
     # on CUDA with async scheduling (there the host time of a step is what it costs).
     structured_output_process: bool | None = None
-    # Speculative decoding: {"method": "ngram" | "eagle", "num_speculative_tokens": k, ...}
-    # (see pagelm.spec_decode.config); None = off.
+    # Speculative decoding: {"method": "ngram" | "eagle" | "medusa", "num_speculative_tokens":
+    # k, ...} (see pagelm.spec_decode.config); None = off.
     speculative_config: dict[str, Any] | None = None
     # Most logprobs (and prompt_logprobs) one request may ask for, as vLLM's max_logprobs:
     # each is a top-k over the vocabulary every step. -1: up to the vocabulary size.

@@ -63,7 +63,7 @@ _HELP = {
     "max_num_encoder_input_tokens": "most image embeddings the vision encoder makes per step "
     "(unset: max_num_batched_tokens, at least 16384)",
     "encoder_cache_size": "image embeddings the encoder cache holds (unset: max_num_batched_tokens, at least 16384)",
-    "speculative_config": 'speculative decoding, JSON/YAML: {"method": "ngram"|"eagle", '
+    "speculative_config": 'speculative decoding, JSON/YAML: {"method": "ngram"|"eagle"|"medusa", '
     '"num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": n, "model": DIR}',
 }
 

@@ -136,7 +136,7 @@ def test_a_builtin_plugin_can_be_disabled_by_name(monkeypatch):
 
 
 def test_an_unknown_proposer_method_is_the_error(llama_dir):
-    with pytest.raises(ValueError, match=r"speculative_config.method='nope' is not a registered proposer; registered: eagle, ngram"):
+    with pytest.raises(ValueError, match=r"speculative_config.method='nope' is not a registered proposer; registered: eagle, medusa, ngram"):
         LLM(str(llama_dir), speculative_config={"method": "nope"})
 
 

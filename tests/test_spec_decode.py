@@ -144,8 +144,8 @@ def test_a_trained_eagle_head_accepts_more_than_half_a_token_per_draft(make_mode
 
 
 def test_unknown_method_is_a_clear_error(llama_dir):
-    with pytest.raises(ValueError, match=r"'medusa' is not a registered proposer; registered: .*eagle.*ngram"):
-        LLM(str(llama_dir), speculative_config={"method": "medusa", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"'lookahead' is not a registered proposer; registered: .*eagle.*medusa.*ngram"):
+        LLM(str(llama_dir), speculative_config={"method": "lookahead", "num_speculative_tokens": 2})
 
 
 def test_eagle_without_a_model_is_a_clear_error(llama_dir, tmp_path):

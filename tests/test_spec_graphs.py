@@ -13,9 +13,11 @@ import gc
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from pagelm import LLM, SamplingParams
 from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
+from pagelm.plugins.spec_decode.medusa import MedusaHeads
 from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner
 from pagelm.worker.input_buffers import InputBuffers
 from pagelm.worker.step_state import CachedRequestState
@@ -204,7 +206,24 @@ def test_eagle_drafts_the_same_from_a_verification_graph_step(make_model, tmp_pa
     it drafts exactly what it drafts from the eager step."""
     model = make_model("spec_llama", "llama")
     train_eagle_head(model, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
-    config = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
+    _drafts_the_same_with_and_without_graphs(model, {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")})
+
+
+def test_medusa_drafts_the_same_from_a_verification_graph_step(make_model, tmp_path, triton_on_cpu, eager_graphs):
+    """Medusa reads each request's last verified hidden state: from a graph's padded rows the
+    same one as from the eager step."""
+    model = make_model("spec_llama", "llama")
+    heads = MedusaHeads(64, 3, 1)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        heads.weight.normal_(std=0.1)
+    (tmp_path / "heads").mkdir()
+    save_file(heads.checkpoint_weights(), str(tmp_path / "heads" / "model.safetensors"))
+    (tmp_path / "heads" / "config.json").write_text('{"medusa_num_heads": 3, "medusa_num_layers": 1}')
+    _drafts_the_same_with_and_without_graphs(model, {"method": "medusa", "num_speculative_tokens": 3, "model": str(tmp_path / "heads")})
+
+
+def _drafts_the_same_with_and_without_graphs(model, config):
     tokens, llm, staged = _graph_run(model, config)
     assert tokens == _plain_tokens(model)
     assert llm.engine.core.runner.spec.graphs.num_replays > 0

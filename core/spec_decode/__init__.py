@@ -1,5 +1,5 @@
 """Speculative decoding: the ``Proposer`` contract that draft plugins implement (the
-drafting itself, ``ngram`` and ``eagle`` are in ``pagelm.plugins.spec_decode``),
+drafting itself, ``ngram``, ``eagle`` and ``medusa`` are in ``pagelm.plugins.spec_decode``),
 ``speculative_config`` parsing and acceptance counters. Verification is
 ``pagelm.sample.rejection_sampler`` and ``pagelm.worker.spec_decode``."""
 

@@ -5,13 +5,14 @@ a YAML key) with vLLM's names::
 
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "eagle", "num_speculative_tokens": 3, "model": "/path/to/eagle-head"}
+    {"method": "medusa", "num_speculative_tokens": 3, "model": "/path/to/medusa-heads"}
 
 and, for any method, adaptive drafting (``pagelm.spec_decode.backoff``): ``"adaptive"``
 (default true), ``"backoff_after"`` misses in a row before a request stops drafting (default
 2), ``"max_backoff_steps"`` the longest pause between its probes (default 32).
 
 Shapes and types are checked here, with the rest of the engine config; whether ``method`` is
-registered, and what that proposer needs (``model`` for EAGLE), is checked at engine
+registered, and what that proposer needs (``model`` for EAGLE and Medusa), is checked at engine
 start-up, before any weight is read.
 """
 
@@ -33,7 +34,7 @@ class SpeculativeConfig:
     # ngram (prompt lookup): longest and shortest suffix to look up (vLLM's defaults: 5 and 5).
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
-    # Draft model directory (EAGLE head).
+    # Draft model directory (EAGLE head, Medusa heads).
     model: str | None = None
     # Adaptive drafting: a request whose drafts are rejected ``backoff_after`` verifications in
     # a row stops drafting, probing again after 2, 4, ... up to ``max_backoff_steps`` steps.

@@ -1,6 +1,7 @@
 """``DraftProposer``: the drafting every proposer needs, around the one thing that differs
-between them, ``propose(batch)``. The built-in ``ngram`` and ``eagle`` use it, and so may a
-third-party proposer (the core's contract, ``pagelm.Proposer.propose_step``, is lower level).
+between them, ``propose(batch)``. The built-in ``ngram``, ``eagle`` and ``medusa`` use it, and
+so may a third-party proposer (the core's contract, ``pagelm.Proposer.propose_step``, is lower
+level).
 
 After each step it decides how many drafts each request may get, and asks ``propose`` for
 at most that many::

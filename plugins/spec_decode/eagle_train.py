@@ -87,7 +87,7 @@ def train_eagle_head(target: str | Path, out_dir: str | Path, cfg: EagleTrainCon
     head.share_embedding(model.get_input_embeddings())
     shape = _use_causal_attention(head)
 
-    sequences = _self_distillation_text(target, cfg)
+    sequences = self_distillation_text(target, cfg)
     log(f"train-eagle: {len(sequences)} sequences of {sequences.shape[1]} tokens from the target "
         f"({time.monotonic() - start:.1f} s)")
     with torch.no_grad():
@@ -156,8 +156,10 @@ def train_eagle_head(target: str | Path, out_dir: str | Path, cfg: EagleTrainCon
     return report
 
 
-def _self_distillation_text(target: Path, cfg: EagleTrainConfig) -> torch.Tensor:
-    """[num_prompts, prompt_len + gen_len] token ids: prompts and the target's continuations."""
+def self_distillation_text(target: Path, cfg: EagleTrainConfig) -> torch.Tensor:
+    """[num_prompts, prompt_len + gen_len] token ids: prompts and the target's continuations
+    (``cfg``'s text fields: ``num_prompts``, ``prompt_len``, ``gen_len``, ``temperature``,
+    ``seed``, ``prompts``; the Medusa trainer shares this)."""
     from pagelm.llm import LLM
     from pagelm.sampling_params import SamplingParams
 
