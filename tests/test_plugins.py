@@ -243,3 +243,26 @@ def test_cli_table_names_the_columns(capsys):
     out = capsys.readouterr().out
     assert out.split()[:7] == ["name", "kind", "registers", "package", "version", "api", "status"]
     assert f"pagelm plugin API {PLUGIN_API_VERSION}" in out
+
+
+def _pagelm_in_fresh_process(tmp_path, *argv):
+    """``pagelm ARGV`` in a new interpreter that finds the fake distributions in ``tmp_path``
+    (this process's plugin manager has long loaded; a broken plugin shows first in a fresh one)."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    code = "import sys; from pagelm.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_plugins_lists_a_broken_plugin_in_a_fresh_process_and_other_commands_name_it(tmp_path, monkeypatch):
+    install_fake_distribution(tmp_path, monkeypatch, "pagelm_broken", "import not_a_real_module_xyz\n")
+    listing = _pagelm_in_fresh_process(tmp_path, "plugins", "--json")
+    assert listing.returncode == 0, listing.stderr
+    rows = {row["name"]: row for row in json.loads(listing.stdout)}
+    assert "failed to import" in rows["pagelm_broken"]["status"]
+    assert rows["fcfs"]["status"] == "loaded"
+    other = _pagelm_in_fresh_process(tmp_path, "generate", "--help")
+    assert other.returncode != 0
+    assert "pagelm_broken" in other.stderr and "not_a_real_module_xyz" in other.stderr
