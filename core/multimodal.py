@@ -195,6 +195,24 @@ class MultiModalProcessor(ABC):
     def num_embeddings(self, data: dict[str, torch.Tensor]) -> int:
         """How many embeddings (placeholder positions) the encoder makes of these inputs."""
 
+    def dummy_inputs(self, num_embeddings: int) -> list[dict[str, torch.Tensor]]:
+        """Optional (plugin API 2.12): encoder inputs of dummy images that together make at
+        most ``num_embeddings`` embeddings, as the largest images this processor makes, so
+        that encoding them costs what the worst step under that encoder budget costs (the
+        profiling pass that sizes the GPU KV pool runs them). Default: none (the encoder's
+        activations are then not counted)."""
+        return []
+
+    def dummy_features(self, num_embeddings: int) -> list[MultiModalFeature]:
+        """``dummy_inputs`` as features the model's ``get_multimodal_embeddings`` takes."""
+        features, offset = [], 0
+        for i, data in enumerate(self.dummy_inputs(num_embeddings)):
+            n = self.num_embeddings(data)
+            features.append(MultiModalFeature("image", f"profile-{i}", offset, n, data))
+            offset += n
+        assert offset <= num_embeddings, f"dummy_inputs made {offset} embeddings, more than {num_embeddings}"
+        return features
+
     def process(self, token_ids: Sequence[int], images: Sequence["Image.Image"]) -> tuple[list[int], list[MultiModalFeature]]:
         """Expand the prompt's placeholders (one token per image, in order) and describe each
         image. A prompt whose placeholder runs are each exactly as long as their image's

@@ -41,6 +41,7 @@ class LlavaProcessor(MultiModalProcessor):
             self.placeholder_text = tokenizer.convert_ids_to_tokens(self._token_id)
         self.patch_size = hf_config.vision_config.patch_size
         self.with_cls = hf_config.vision_feature_select_strategy == "full"
+        self.image_size = hf_config.vision_config.image_size
 
     @property
     def placeholder_token_id(self) -> int:
@@ -53,6 +54,13 @@ class LlavaProcessor(MultiModalProcessor):
     def num_embeddings(self, data: dict[str, torch.Tensor]) -> int:
         h, w = data["pixel_values"].shape[-2:]
         return (h // self.patch_size) * (w // self.patch_size) + self.with_cls
+
+
+    def dummy_inputs(self, num_embeddings: int) -> list[dict[str, torch.Tensor]]:
+        """As many images as fit: every image is the tower's ``image_size`` square."""
+        per_image = (self.image_size // self.patch_size) ** 2 + self.with_cls
+        pixels = torch.zeros(3, self.image_size, self.image_size)
+        return [{"pixel_values": pixels} for _ in range(num_embeddings // per_image)]
 
 
 def _image_token_id(hf_config) -> int:

@@ -20,6 +20,7 @@ and feeds ``[3, n]`` positions to steps covering a prompt with images, ``[n]`` o
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,26 @@ class Qwen2VLProcessor(MultiModalProcessor):
 
     def num_embeddings(self, data: dict[str, torch.Tensor]) -> int:
         return int(data["image_grid_thw"].prod()) // self.merge_size**2
+
+    def dummy_inputs(self, num_embeddings: int) -> list[dict[str, torch.Tensor]]:
+        """Images as large as ``max_pixels`` allows (near-square grids of merged patches)
+        until ``num_embeddings`` are made; the last one takes what is left."""
+        vision, m = self.hf_config.vision_config, self.merge_size
+        size = self.image_processor.size
+        max_pixels = getattr(self.image_processor, "max_pixels", None) or size["longest_edge"]
+        largest = max(1, max_pixels // (vision.patch_size * m) ** 2)
+        patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        out = []
+        while num_embeddings > 0:
+            n = min(num_embeddings, largest)
+            h = math.isqrt(n)
+            w = n // h
+            out.append({
+                "pixel_values": torch.zeros(h * w * m * m, patch_dim),
+                "image_grid_thw": torch.tensor([1, h * m, w * m]),
+            })
+            num_embeddings -= h * w
+        return out
 
 
 def mrope_positions(

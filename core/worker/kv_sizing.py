@@ -36,7 +36,9 @@ def this_rank_kv_blocks(config, runner, layers, max_model_len: int) -> int:
     """What this rank's memory holds for its layers. On CUDA: its share of the card, minus
     what a worst-case step needs (weights, activations, the sampler's logits: measured by a
     profiling forward pass, which every rank runs together), minus memory that is not torch's
-    (CUDA context, other processes), minus room for the decode graphs. On the CPU:
+    (CUDA context, other processes), minus room for the decode graphs, minus a
+    vision-language model's full encoder cache (its encoder's activations are in the peak:
+    the profiling pass runs it too). On the CPU:
     ``cpu_kv_cache_space``, at most what ``max_num_seqs`` full sequences need."""
     per_block = kv_block_bytes(layers, config.block_size, runner.dtype)
     device = runner.device
@@ -45,22 +47,27 @@ def this_rank_kv_blocks(config, runner, layers, max_model_len: int) -> int:
         free, total = torch.cuda.mem_get_info(device)
         graphs = CUDA_GRAPH_RESERVE if not config.enforce_eager else 0
         return kv_blocks_in_budget(
-            total, free, torch.cuda.memory_reserved(device), peak, config.gpu_memory_utilization, graphs, per_block
+            total, free, torch.cuda.memory_reserved(device), peak, config.gpu_memory_utilization, graphs, per_block,
+            runner.encoder_cache_bytes(),
         )
     needed = config.max_num_seqs * cdiv(max_model_len, config.block_size)
     return max(1, min(config.cpu_kv_cache_space // per_block, needed))
 
 
 def kv_blocks_in_budget(
-    total: int, free: int, reserved: int, peak: int, utilization: float, graphs: int, per_block: int
+    total: int, free: int, reserved: int, peak: int, utilization: float, graphs: int, per_block: int,
+    encoder_cache: int = 0,
 ) -> int:
     """Blocks of ``per_block`` bytes that fit a card of ``total`` bytes (``free`` of them free,
-    ``reserved`` held by torch's allocator) after a step peaking at ``peak`` and ``graphs``
-    for CUDA graphs, using at most ``utilization`` of the card."""
+    ``reserved`` held by torch's allocator) after a step peaking at ``peak``, ``graphs``
+    for CUDA graphs and ``encoder_cache`` for a full encoder cache (allocated later, like
+    the graphs), using at most ``utilization`` of the card."""
     not_torch = total - free - reserved
-    budget = min(total * utilization - peak - not_torch - graphs, free - graphs)
+    later = graphs + encoder_cache
+    budget = min(total * utilization - peak - not_torch - later, free - later)
     logger.info(
-        "KV sizing: %.2f GiB total, peak step %.2f GiB, non-torch %.2f GiB -> KV %.2f GiB",
-        total / 2**30, peak / 2**30, not_torch / 2**30, max(budget, 0) / 2**30,
+        "KV sizing: %.2f GiB total, peak step %.2f GiB, non-torch %.2f GiB%s -> KV %.2f GiB",
+        total / 2**30, peak / 2**30, not_torch / 2**30,
+        f", encoder cache {encoder_cache / 2**30:.2f} GiB" if encoder_cache else "", max(budget, 0) / 2**30,
     )
     return max(int(budget // per_block), 0)

@@ -37,7 +37,7 @@ from pagelm.distributed import parallel_state
 from pagelm.kv_cache import cdiv
 from pagelm.kv_offload import KVCopier, KVOffload
 from pagelm.kernels import fused_kernel
-from pagelm.multimodal import SupportsMultiModal
+from pagelm.multimodal import MultiModalProcessor, SupportsMultiModal
 from pagelm.sample import Sampler, SamplerOutput, SamplingMetadata
 from pagelm.sample.bitmask import apply_token_bitmask, upload_bitmask
 from pagelm.sample.request_logits import build_logits_row
@@ -67,6 +67,7 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         vocab_size: int,
         max_model_len: int,
+        mm_processor: MultiModalProcessor | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -109,6 +110,8 @@ class ModelRunner:
         # encodes it until the scheduler evicts it (``SchedulerOutput.free_encoder_identifiers``);
         # how many images the encoder has run on; running requests that have images.
         self.encoder_cache: dict[str, torch.Tensor] = {}
+        # A vision-language model's processor, here only for the profiling pass's dummy images.
+        self.mm_processor = mm_processor
         self.num_encoded_images = 0
         self._num_mm_requests = 0
         # Requests with positions of their own (pagelm.multimodal.RequestPositions), and per
@@ -157,7 +160,10 @@ class ModelRunner:
         """Run a worst-case step on dummy data (``max_num_batched_tokens`` prompt tokens over
         up to ``max_num_seqs`` requests, then the sampler with top-k/top-p, which sorts the
         vocab, over all of their logits) and return the peak bytes torch allocated, minus the
-        small KV cache the step needed: weights + activations, what the KV pool must leave."""
+        small KV cache the step needed: weights + activations, what the KV pool must leave.
+        A vision-language model first runs its encoder on the largest image batch a step may
+        encode (``profile_encoder``); the encoder cache is counted apart
+        (``encoder_cache_bytes``)."""
         assert self.device.type == "cuda", "profiling sizes the GPU KV pool"
         num_tokens = min(self.config.max_num_batched_tokens, self.max_num_reqs * self.max_model_len)
         num_reqs = min(self.max_num_reqs, num_tokens)
@@ -176,6 +182,7 @@ class ModelRunner:
                 sampling_params=SamplingParams(), block_ids=blocks, need_prompt_logprobs=False,
             )))
         try:
+            self.profile_encoder()
             step = self.prepare_inputs(states, [0] * num_reqs, counts, allow_graph=False)
             logits = self.compute_logits(step)
             md = SamplingMetadata(
@@ -193,6 +200,41 @@ class ModelRunner:
             self._release_kv_cache()
             torch.cuda.empty_cache()
         return peak - kv_bytes
+
+    def encoder_profile_embeddings(self) -> int:
+        """The most embeddings one step may encode: its encoder budget, and no more than the
+        encoder cache holds (every image a step encodes has room there at once). 0 for a
+        model that takes no images."""
+        if not isinstance(self.model, SupportsMultiModal):
+            return 0
+        return min(self.config.encoder_budget, self.config.encoder_cache_embeddings)
+
+    @torch.inference_mode()
+    def profile_encoder(self) -> int:
+        """Run the vision encoder once on dummy images that make ``encoder_profile_embeddings``
+        embeddings (the processor's ``dummy_inputs``: the largest images it makes) and drop
+        the result; the embeddings it made (0: nothing to profile)."""
+        num_embeddings = self.encoder_profile_embeddings()
+        if not num_embeddings:
+            return 0
+        features = self.mm_processor.dummy_features(num_embeddings) if self.mm_processor is not None else []
+        if not features:
+            logger.warning("KV sizing: %s gives no dummy images; the vision encoder's activations are not "
+                           "counted (lower gpu_memory_utilization if images run out of memory)",
+                           type(self.model).__name__)
+            return 0
+        embeds = self.model.get_multimodal_embeddings(features)
+        made = sum(e.shape[0] for e in embeds)
+        del embeds
+        return made
+
+    def encoder_cache_bytes(self) -> int:
+        """What the encoder cache may hold on the device once full: ``encoder_cache_size``
+        embeddings of the language model's width in the model's dtype (0: no images)."""
+        if not isinstance(self.model, SupportsMultiModal):
+            return 0
+        hidden = self.model.get_input_embeddings().weight.shape[-1]
+        return self.config.encoder_cache_embeddings * hidden * self.dtype.itemsize
 
     def capture_cuda_graphs(self) -> None:
         sizes = capture_sizes(self.max_num_reqs, self.config.max_num_batched_tokens)

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 import msgpack
 import torch
@@ -26,6 +27,7 @@ from pagelm.attention.selector import select_attention_backend
 from pagelm.config import EngineConfig
 from pagelm.distributed import destroy_distributed, init_distributed
 from pagelm.kv_offload import KVTransfers
+from pagelm.multimodal import MultiModalProcessor, SupportsMultiModal
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.sampling_params import SamplingParams
 from pagelm.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -61,12 +63,23 @@ def load_runner(config, hf_config, device, dtype, eos_token_ids, max_model_len) 
     model = plugins.model_loaders().get(config.load_format).load(config, hf_config, device, dtype)
     layers = attention_layers(model)
     backend_cls = select_attention_backend(config, plugins.attention_backends(), layers[0].spec, dtype, device)
-    runner = ModelRunner(config, model, backend_cls, device, dtype, eos_token_ids, hf_config.get_text_config().vocab_size, max_model_len)
+    runner = ModelRunner(
+        config, model, backend_cls, device, dtype, eos_token_ids, hf_config.get_text_config().vocab_size, max_model_len,
+        _mm_processor(config, hf_config, model),
+    )
     if config.speculative_config is not None:
         proposer = plugins.proposers().get(config.speculative.method)(config, model, device, dtype)
         runner.enable_speculative_decoding(proposer)
         layers = layers + list(proposer.attention_layers())
     return runner, layers
+
+
+def _mm_processor(config, hf_config, model) -> MultiModalProcessor | None:
+    """A vision-language model's processor (no tokenizer: the runner only asks it for the
+    profiling pass's dummy images), made only where that pass runs (CUDA)."""
+    if not isinstance(model, SupportsMultiModal) or config.resolved_device().type != "cuda":
+        return None
+    return model.multimodal_processor(Path(config.model), hf_config, None)
 
 
 def run_worker(
