@@ -66,7 +66,9 @@ def _prompt_logprobs(out) -> list[float | None]:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_prompt_logprobs_of_a_request_recomputed_mid_prefill_equal_the_unpreempted_run(llama_dir, k, async_scheduling):
+def test_prompt_logprobs_of_a_request_recomputed_mid_prefill_equal_the_unpreempted_run(
+    llama_dir, k, async_scheduling
+):
     """A 40-token prompt with prompt_logprobs, prefilled in chunks of 8 from a 12-block pool,
     preempted (recompute) after k chunks by a higher-priority arrival: when it is recomputed
     from the start, the positions its first chunks scored are not reported a second time
@@ -76,9 +78,9 @@ def test_prompt_logprobs_of_a_request_recomputed_mid_prefill_equal_the_unpreempt
     whole = LLM(str(llama_dir), device="cpu", dtype="float32", enable_prefix_caching=False)
     expected = _prompt_logprobs(whole.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0])
     llm = LLM(
-        str(llama_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=12, max_model_len=48, max_num_seqs=1,
-        max_num_batched_tokens=16, long_prefill_token_threshold=8, scheduling_policy="priority", preemption_mode="recompute",
-        async_scheduling=async_scheduling,
+        str(llama_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=12, max_model_len=48,
+        max_num_seqs=1, max_num_batched_tokens=16, long_prefill_token_threshold=8, scheduling_policy="priority",
+        preemption_mode="recompute", async_scheduling=async_scheduling,
     )
     engine = llm.engine
     engine.add_request("a", {"prompt_token_ids": prompt}, params, priority=1)
