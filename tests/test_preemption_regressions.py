@@ -64,15 +64,16 @@ def _prompt_logprobs(out) -> list[float | None]:
     return [None if e is None else e[t].logprob for e, t in zip(out.prompt_logprobs, out.prompt_token_ids)]
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_prompt_logprobs_of_a_request_recomputed_mid_prefill_equal_the_unpreempted_run(
-    llama_dir, k, async_scheduling
+    llama_dir, k, async_scheduling, mode
 ):
     """A 40-token prompt with prompt_logprobs, prefilled in chunks of 8 from a 12-block pool,
-    preempted (recompute) after k chunks by a higher-priority arrival: when it is recomputed
-    from the start, the positions its first chunks scored are not reported a second time
-    (before the fix they were: 48 entries after one chunk)."""
+    preempted after k chunks by a higher-priority arrival: recomputed from the start, the
+    positions its first chunks scored are not reported a second time (before the fix they
+    were: 48 entries after one chunk); swapped, it goes on where it stopped."""
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2, ignore_eos=True)
     prompt = PROMPT[:40]
     whole = LLM(str(llama_dir), device="cpu", dtype="float32", enable_prefix_caching=False)
@@ -80,7 +81,7 @@ def test_prompt_logprobs_of_a_request_recomputed_mid_prefill_equal_the_unpreempt
     llm = LLM(
         str(llama_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=12, max_model_len=48,
         max_num_seqs=1, max_num_batched_tokens=16, long_prefill_token_threshold=8, scheduling_policy="priority",
-        preemption_mode="recompute", async_scheduling=async_scheduling,
+        preemption_mode=mode, async_scheduling=async_scheduling, num_cpu_blocks=16 if mode == "swap" else 0,
     )
     engine = llm.engine
     engine.add_request("a", {"prompt_token_ids": prompt}, params, priority=1)
