@@ -114,6 +114,9 @@ class Request:
         # Prompt logprobs skip the prefix cache (their logits must be computed).
         self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
         self.prompt_logprobs_done = sampling_params.prompt_logprobs is None
+        # Prompt positions whose logprobs were reported (1 .. this): a request recomputed
+        # after a preemption scores them again, and they must not be reported twice.
+        self.num_prompt_logprobs_reported = 0
         # Its next sample reads its previous tokens on the host (penalties count them, a bad
         # word of several tokens matches the output's tail): with async scheduling a step that
         # has such a request runs synchronously.

@@ -81,6 +81,17 @@ def test_engine_core_add_request_raises_with_nothing_queued(core):
     assert not core.scheduler.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
+def test_more_logprobs_than_the_vocabulary_is_refused_at_the_core_with_nothing_queued(core, name):
+    """A bad API process could send it: in the step, top-k past the vocabulary would fail
+    every request of the batch."""
+    with pytest.raises(ValueError, match=rf"{name} must be -1 or in \[0, 512\], got 513"):
+        core.add_request(_request("many", [1, 2, 3], SamplingParams(max_tokens=2, **{name: 513})))
+    assert not core.scheduler.has_unfinished_requests()
+    results = _serve(core, [[(ADD, _request("after", [1, 2, 3]))]])
+    assert len(results["after"][0]) == 4
+
+
 # ---- a failing step, a dead engine core ---------------------------------------------------
 
 

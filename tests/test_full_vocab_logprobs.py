@@ -70,6 +70,20 @@ def test_minus_one_counts_as_the_vocabulary_against_max_logprobs(llama_dir):
         SamplingParams(logprobs=-2)
 
 
+@pytest.mark.parametrize("max_logprobs", [-1, 1000])
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
+def test_more_logprobs_than_the_vocabulary_is_a_value_error_and_the_engine_serves_on(llama_dir, name, max_logprobs):
+    """max_logprobs -1 (no limit of its own) or past the vocabulary: the vocabulary is the bound."""
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", max_logprobs=max_logprobs, num_kv_blocks=64)
+    with pytest.raises(ValueError, match=rf"^{name} must be at most {VOCAB} .*got {VOCAB + 1}$"):
+        llm.generate("hi", SamplingParams(max_tokens=2, **{name: VOCAB + 1}), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, **{name: VOCAB})
+    out = llm.generate({"prompt_token_ids": [1, 17, 99]}, params, use_tqdm=False)[0]
+    entries = out.outputs[0].logprobs if name == "logprobs" else out.prompt_logprobs[1:]
+    assert len(out.outputs[0].token_ids) == 2 and all(len(e) == VOCAB for e in entries)
+
+
 # ---- the server ---------------------------------------------------------------------------
 
 

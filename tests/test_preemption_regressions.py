@@ -60,6 +60,43 @@ def test_request_preempted_mid_prefill_by_a_more_urgent_one_keeps_its_solo_token
     assert again.num_cached_tokens > 0  # it did read the cache
 
 
+def _prompt_logprobs(out) -> list[float | None]:
+    return [None if e is None else e[t].logprob for e, t in zip(out.prompt_logprobs, out.prompt_token_ids)]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_prompt_logprobs_of_a_request_recomputed_mid_prefill_equal_the_unpreempted_run(
+    llama_dir, k, async_scheduling, mode
+):
+    """A 40-token prompt with prompt_logprobs, prefilled in chunks of 8 from a 12-block pool,
+    preempted after k chunks by a higher-priority arrival: recomputed from the start, the
+    positions its first chunks scored are not reported a second time (before the fix they
+    were: 48 entries after one chunk); swapped, it goes on where it stopped."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2, ignore_eos=True)
+    prompt = PROMPT[:40]
+    whole = LLM(str(llama_dir), device="cpu", dtype="float32", enable_prefix_caching=False)
+    expected = _prompt_logprobs(whole.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0])
+    llm = LLM(
+        str(llama_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=12, max_model_len=48,
+        max_num_seqs=1, max_num_batched_tokens=16, long_prefill_token_threshold=8, scheduling_policy="priority",
+        preemption_mode=mode, async_scheduling=async_scheduling, num_cpu_blocks=16 if mode == "swap" else 0,
+    )
+    engine = llm.engine
+    engine.add_request("a", {"prompt_token_ids": prompt}, params, priority=1)
+    finals = {}
+    for _ in range(k):
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    engine.add_request("b", {"prompt_token_ids": [11, 12, 13, 14]}, GREEDY, priority=0)
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.core.scheduler.num_preemptions == 1
+    assert len(finals["a"].prompt_logprobs) == len(prompt)
+    got = _prompt_logprobs(finals["a"])
+    assert got[0] is None and got[1:] == pytest.approx(expected[1:], abs=1e-5)
+
+
 # ---- the scheduler and KV cache manager alone (hand-made model outputs) --------------------
 BS = 4
 

@@ -4,6 +4,8 @@ and the official `openai` client."""
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -29,25 +31,55 @@ def pagelm_cmd(*args: str) -> list[str]:
     return [sys.executable, "-c", "import sys; from pagelm.cli import main; sys.exit(main())", *args]
 
 
-def start_server(*serve_args: str) -> tuple[subprocess.Popen, str]:
+def start_server(*serve_args: str, timeout: float = 120) -> tuple[subprocess.Popen, str]:
     """``pagelm serve *serve_args`` on a free port of 127.0.0.1: the process and its base URL
-    once /health answers 200."""
+    once /health answers 200. A start that fails or times out (or is interrupted) leaves no
+    process behind: the server, and what it started, are killed and reaped before it raises."""
     port = free_port()
     proc = subprocess.Popen(
         pagelm_cmd("serve", *serve_args, "--port", str(port), "--no-access-log"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # its own process group: its engine core goes with it
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
+    try:
+        _wait_until_healthy(proc, url, timeout)
+    except BaseException:
+        _kill_process_group(proc)
+        raise
+    return proc, url
+
+
+def _wait_until_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
+    deadline = time.time() + timeout
     while True:
-        assert proc.poll() is None, proc.stdout.read()
+        if proc.poll() is not None:
+            raise AssertionError(f"pagelm serve exited with {proc.returncode}:\n{proc.stdout.read()}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
-        assert time.time() < deadline, "server did not come up"
+        if time.time() >= deadline:
+            raise AssertionError(f"pagelm serve did not answer /health within {timeout} s")
         time.sleep(0.2)
+
+
+def _kill_process_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the server's process group (it leads it), reap the server, close its pipe."""
+    with contextlib.suppress(ProcessLookupError):  # every member already gone
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc.stdout.close()
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """Stop a started server: SIGTERM (it shuts its engine core down), then, past ``timeout``
+    seconds or once it has exited, SIGKILL whatever is left of its process group."""
+    proc.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=timeout)
+    _kill_process_group(proc)
 
 
 @contextlib.contextmanager
@@ -57,12 +89,7 @@ def running_server(*serve_args: str):
     try:
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +126,45 @@ def wait_for(predicate, timeout=10.0):
             return True
         time.sleep(0.05)
     return False
+
+
+# ---- the test helper itself ------------------------------------------------------------------
+
+
+@pytest.fixture
+def started_processes(monkeypatch) -> list[subprocess.Popen]:
+    """Every process ``subprocess.Popen`` starts during the test."""
+    started, real_popen = [], subprocess.Popen
+
+    class Recorded(real_popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    return started
+
+
+def assert_gone(proc: subprocess.Popen) -> None:
+    """Reaped, and nothing left in its process group (its engine core included)."""
+    assert proc.returncode is not None and proc.stdout.closed
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
+
+
+def test_a_server_that_exits_at_start_leaves_no_process(tmp_path, started_processes):
+    with pytest.raises(AssertionError, match="pagelm serve exited with"):
+        start_server(str(tmp_path / "no-such-model"))
+    [proc] = started_processes
+    assert_gone(proc)
+
+
+def test_a_server_that_does_not_come_up_in_time_is_killed_and_reaped(llama_dir, started_processes):
+    with pytest.raises(AssertionError, match=r"did not answer /health within 0\.5 s"):
+        start_server(str(llama_dir), timeout=0.5)
+    [proc] = started_processes
+    assert proc.returncode == -signal.SIGKILL  # still starting: it was killed, not left running
+    assert_gone(proc)
 
 
 # ---- the basics -------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ against what the requests did."""
 
 import os
 import signal
-import subprocess
 import time
 
 import httpx
@@ -12,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from test_server import API_KEY, AUTH, MODEL, start_server
+from test_server import API_KEY, AUTH, MODEL, start_server, stop_server
 
 # What vLLM's Grafana dashboards, alerts and autoscalers query (vLLM V1 names; the two
 # deprecated ones are what its example dashboard still plots).
@@ -74,12 +73,7 @@ def served(llama_dir):
     try:
         yield proc, url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 @pytest.fixture(scope="module")

@@ -291,6 +291,11 @@ class EngineCore:
             )
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"request {request.request_id}: prompt token ids must be in [0, {self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(request.sampling_params, name)
+            # Past the vocabulary the step's top-k raises, failing every request in the batch.
+            if k is not None and not -1 <= k <= self.vocab_size:
+                raise ValueError(f"request {request.request_id}: {name} must be -1 or in [0, {self.vocab_size}], got {k}")
         if self.executor is not None and self.executor.every_rank_schedules:
             self._check_request_for_independent_ranks(request)
         if request.max_tokens is not None and request.max_tokens < 1:

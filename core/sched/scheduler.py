@@ -28,7 +28,7 @@ from pagelm.sched.output import CachedRequestData, NewRequestData, SchedulerOutp
 from pagelm.sched.policy import SchedulingPolicy
 from pagelm.spec_decode.stats import SpecDecodingStats
 from pagelm.structured_output import StructuredOutputManager
-from pagelm.worker.output import ModelRunnerOutput
+from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
 
 logger = logging.getLogger("pagelm")
 
@@ -507,7 +507,7 @@ class Scheduler:
                 self.num_discarded_tokens += sched_out.num_scheduled_tokens[req_id]
                 continue
             i = index[req_id]
-            prompt_lps = runner_out.prompt_logprobs.get(req_id)
+            prompt_lps = self._unreported_prompt_logprobs(req, sched_out, runner_out.prompt_logprobs.get(req_id))
             # A step that did not reach the end of the request (a prefill chunk) sampled
             # nothing: with async scheduling its placeholder belongs to the step after it,
             # which the runner's empty list for this one tells apart.
@@ -540,6 +540,24 @@ class Scheduler:
                 self._free(req)
                 finished.append(req)
         return outputs, finished
+
+    @staticmethod
+    def _unreported_prompt_logprobs(
+        req: Request, sched_out: SchedulerOutput, prompt_lps: LogprobsLists | None
+    ) -> LogprobsLists | None:
+        """The rows of ``prompt_lps`` for prompt positions not reported yet. A chunk starting
+        at ``start`` scores positions ``start+1 ..``; recomputed after a preemption, a request
+        scores from position 1 again::
+
+            | reported: 1 .. num_prompt_logprobs_reported | new |
+                      | this chunk: start+1 .. start+n          |
+        """
+        if prompt_lps is None:
+            return None
+        start = _chunk_start(sched_out, req.request_id)
+        num_seen = req.num_prompt_logprobs_reported - start
+        req.num_prompt_logprobs_reported = max(req.num_prompt_logprobs_reported, start + len(prompt_lps.ranks))
+        return None if num_seen >= len(prompt_lps.ranks) else prompt_lps.skip(num_seen)
 
     def _scheduled_requests(self, sched_out: SchedulerOutput) -> list[Request]:
         """The requests ``schedule()`` gave ``sched_out`` (steps before it that were never
@@ -644,6 +662,14 @@ class _StepState:
             self.partial_ids.discard(req.request_id)
             self.num_partial -= 1
         out.scheduled_new_reqs = [r for r in out.scheduled_new_reqs if r.req_id != req.request_id]
+
+
+def _chunk_start(sched_out: SchedulerOutput, req_id: str) -> int:
+    """The request's computed tokens when ``sched_out`` was scheduled: where its chunk starts."""
+    for data in (*sched_out.scheduled_new_reqs, *sched_out.scheduled_cached_reqs):
+        if data.req_id == req_id:
+            return data.num_computed_tokens
+    raise AssertionError(f"{req_id} has prompt logprobs from a step that did not schedule it")
 
 
 def _core_output(

@@ -20,6 +20,12 @@ class LogprobsLists:
             return self
         return LogprobsLists(self.token_ids[:n], self.logprobs[:n], self.ranks[:n])
 
+    def skip(self, n: int) -> "LogprobsLists":
+        """All but the first ``n`` positions (prompt positions already reported)."""
+        if n <= 0:
+            return self
+        return LogprobsLists(self.token_ids[n:], self.logprobs[n:], self.ranks[n:])
+
 
 @dataclass
 class ModelRunnerOutput:
