@@ -21,6 +21,7 @@ from pagelm.multimodal import MultiModalFeature, MultiModalProcessor, SupportsMu
 from pagelm.models.clip import CLIPVisionTower, feature_layer_count
 from pagelm.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagelm.models.qwen2 import Qwen2ForCausalLM
+from pagelm.models.vlm import LanguageModelDelegate
 from pagelm.models.weights import default_weight_loader
 
 # text_config.model_type -> the language model
@@ -81,7 +82,7 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
+class LlavaForConditionalGeneration(LanguageModelDelegate, nn.Module, SupportsMultiModal):
     multimodal_processor = LlavaProcessor
 
     def __init__(self, config) -> None:
@@ -109,17 +110,6 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
         if not self.select_cls:
             hidden = hidden[:, 1:]
         return list(self.multi_modal_projector(hidden))
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self.language_model(input_ids, positions, inputs_embeds=inputs_embeds)
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.language_model.get_input_embeddings()
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint names of both layouts (transformers 5's ``model.vision_tower.*``,

@@ -32,6 +32,7 @@ from torch import nn
 from pagelm.models.layers import MRotaryEmbedding
 from pagelm.models.qwen2 import Qwen2Attention, Qwen2ForCausalLM
 from pagelm.models.qwen2_vl_vision import Qwen2VisionTransformer
+from pagelm.models.vlm import LanguageModelDelegate
 from pagelm.models.weights import default_weight_loader
 from pagelm.multimodal import MultiModalFeature, MultiModalProcessor, RequestPositions, SupportsMultiModal
 
@@ -127,7 +128,7 @@ class Qwen2VLLanguageModel(Qwen2ForCausalLM):
     attention_cls = Qwen2VLAttention
 
 
-class Qwen2VLForConditionalGeneration(nn.Module, SupportsMultiModal):
+class Qwen2VLForConditionalGeneration(LanguageModelDelegate, nn.Module, SupportsMultiModal):
     multimodal_processor = Qwen2VLProcessor
     position_rows = 3
 
@@ -151,17 +152,6 @@ class Qwen2VLForConditionalGeneration(nn.Module, SupportsMultiModal):
     def get_input_positions(self, num_prompt_tokens: int, features: list[MultiModalFeature]) -> RequestPositions:
         positions, delta = mrope_positions(num_prompt_tokens, features, self.merge_size)
         return RequestPositions(positions, delta)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self.language_model(input_ids, positions, inputs_embeds=inputs_embeds)
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.language_model.get_input_embeddings()
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint names of both layouts: transformers 5's ``model.visual.*``,

@@ -35,7 +35,9 @@ from pagelm.plugin_manager import get_plugin_manager
 
 
 @dataclass
-class EagleTrainConfig:
+class DraftTrainConfig:
+    """What training any draft head (EAGLE's, Medusa's) on the target's own text takes."""
+
     num_prompts: int = 128
     prompt_len: int = 16
     gen_len: int = 64
@@ -48,16 +50,24 @@ class EagleTrainConfig:
     # Held-out agreement is measured every this many steps; the best state is kept.
     eval_every: int = 25
     lr: float = 1e-3
-    reg_weight: float = 0.1
-    # EAGLE's uniform noise on the input features, relative to their std: drafting feeds the
-    # head its own (imperfect) outputs, so it must not rely on exact ones.
-    feature_noise: float = 0.1
     # Cross-entropy against the target's argmax (True) or its whole distribution (False);
     # None: argmax when the text is greedy (temperature 0).
     hard_labels: bool | None = None
     seed: int = 0
     # Text prompts; None: snippets of Python's standard library.
     prompts: list[str] | None = field(default=None, repr=False)
+
+    def public(self) -> dict:
+        """The settings as the training report records them (the prompts left out)."""
+        return {k: v for k, v in asdict(self).items() if k != "prompts"}
+
+
+@dataclass
+class EagleTrainConfig(DraftTrainConfig):
+    reg_weight: float = 0.1
+    # EAGLE's uniform noise on the input features, relative to their std: drafting feeds the
+    # head its own (imperfect) outputs, so it must not rely on exact ones.
+    feature_noise: float = 0.1
 
 
 def train_eagle_head(target: str | Path, out_dir: str | Path, cfg: EagleTrainConfig | None = None, log=print) -> dict:
@@ -81,7 +91,7 @@ def train_eagle_head(target: str | Path, out_dir: str | Path, cfg: EagleTrainCon
     head = get_plugin_manager().models().get(f"Eagle{arch}")(config)
     _init_from_target(head, model)
     if cfg.steps == 0:  # the initialised head only (tests; a baseline to compare training with)
-        report = {"target": str(target), "steps": 0, "config": {k: v for k, v in asdict(cfg).items() if k != "prompts"}}
+        report = {"target": str(target), "steps": 0, "config": cfg.public()}
         _save(head, config, arch, out_dir, report)
         return report
     head.share_embedding(model.get_input_embeddings())
@@ -148,7 +158,7 @@ def train_eagle_head(target: str | Path, out_dir: str | Path, cfg: EagleTrainCon
         # Top-1 agreement with the target's token one step ahead, on held-out sequences.
         "initial_agreement": round(initial, 4),
         "agreement": round(best, 4),
-        "config": {k: v for k, v in asdict(cfg).items() if k != "prompts"},
+        "config": cfg.public(),
     }
     _save(head, config, arch, out_dir, report)
     log(f"train-eagle: wrote {out_dir} (held-out agreement with the target one token ahead: "

@@ -21,40 +21,26 @@ import copy
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from pagelm.plugins.spec_decode.eagle_train import self_distillation_text
+from pagelm.plugins.spec_decode.eagle_train import DraftTrainConfig, self_distillation_text
 from pagelm.plugins.spec_decode.medusa import MedusaHeads
 
 
 @dataclass
-class MedusaTrainConfig:
+class MedusaTrainConfig(DraftTrainConfig):
     num_heads: int = 4
     num_layers: int = 1
     # Each head gets its own LM head (Medusa-1's layout, a copy of the target's to start
     # with); False: the heads are saved without and serving uses the target's.
     own_lm_head: bool = True
-    num_prompts: int = 128
-    prompt_len: int = 16
-    gen_len: int = 64
-    temperature: float = 0.0
-    steps: int = 300
-    max_seconds: float | None = None
-    batch_size: int = 16
-    eval_every: int = 25
-    lr: float = 1e-3
     # Head i's loss weight is decay**i (Medusa's 0.8): the first drafts matter most, a later
     # one is only accepted after all those before it.
     decay: float = 0.8
-    # Cross-entropy against the target's argmax (True) or its distribution (False); None:
-    # argmax when the text is greedy.
-    hard_labels: bool | None = None
-    seed: int = 0
-    prompts: list[str] | None = field(default=None, repr=False)
 
 
 def train_medusa_heads(target: str | Path, out_dir: str | Path, cfg: MedusaTrainConfig | None = None, log=print) -> dict:
@@ -78,7 +64,7 @@ def train_medusa_heads(target: str | Path, out_dir: str | Path, cfg: MedusaTrain
     config = {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers, "hidden_size": hidden,
               "vocab_size": vocab, "base_model_name_or_path": str(target)}
     if cfg.steps == 0:  # the initialised heads only (tests; a baseline to compare training with)
-        report = {"target": str(target), "steps": 0, "config": _public(cfg)}
+        report = {"target": str(target), "steps": 0, "config": cfg.public()}
         _save(heads, config, out_dir, report)
         return report
 
@@ -140,7 +126,7 @@ def train_medusa_heads(target: str | Path, out_dir: str | Path, cfg: MedusaTrain
         # verification would accept per step (leading heads all right), at the start and kept.
         "initial": initial,
         "kept": best,
-        "config": _public(cfg),
+        "config": cfg.public(),
     }
     _save(heads, config, out_dir, report)
     log(f"train-medusa: wrote {out_dir} (held-out drafts accepted per step with {cfg.num_heads} heads: "
@@ -169,10 +155,6 @@ def _evaluate(heads: MedusaHeads, head_logits, features: torch.Tensor, lm_head) 
         "agreement": [round(r.float().mean().item(), 4) for r in right],
         "accepted_per_step": round(chain.float().mean().item(), 4),
     }
-
-
-def _public(cfg: MedusaTrainConfig) -> dict:
-    return {k: v for k, v in asdict(cfg).items() if k != "prompts"}
 
 
 def _save(heads: MedusaHeads, config: dict, out_dir: Path, report: dict) -> None:
