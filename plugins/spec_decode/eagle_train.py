@@ -57,6 +57,10 @@ class DraftTrainConfig:
     # Text prompts; None: snippets of Python's standard library.
     prompts: list[str] | None = field(default=None, repr=False)
 
+    def lr_at(self, step: int) -> float:
+        """The learning rate at ``step``: a linear warm-up over the first tenth, then cosine decay."""
+        return self.lr * min(1.0, step / max(1, self.steps // 10)) * 0.5 * (1 + math.cos(math.pi * step / self.steps))
+
     def public(self) -> dict:
         """The settings as the training report records them (the prompts left out)."""
         return {k: v for k, v in asdict(self).items() if k != "prompts"}
@@ -135,8 +139,8 @@ def train_eagle_head(target: str | Path, out_dir: str | Path, cfg: EagleTrainCon
         loss = loss_cls + cfg.reg_weight * F.smooth_l1_loss(g, f[:, 1:])
         opt.zero_grad()
         loss.backward()
-        for group in opt.param_groups:  # linear warm-up, cosine decay
-            group["lr"] = cfg.lr * min(1.0, step / max(1, cfg.steps // 10)) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr_at(step)
         opt.step()
         losses.append(loss.item())
         out_of_time = cfg.max_seconds is not None and time.monotonic() - start > cfg.max_seconds

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,8 +100,8 @@ def train_medusa_heads(target: str | Path, out_dir: str | Path, cfg: MedusaTrain
             loss = loss + cfg.decay**i * loss_i
         opt.zero_grad()
         loss.backward()
-        for group in opt.param_groups:  # linear warm-up, cosine decay
-            group["lr"] = cfg.lr * min(1.0, step / max(1, cfg.steps // 10)) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr_at(step)
         opt.step()
         losses.append(loss.item())
         out_of_time = cfg.max_seconds is not None and time.monotonic() - start > cfg.max_seconds
