@@ -255,6 +255,15 @@ def tiny_model_dir(arch: str, tmp_root: str | Path, **kw: Any) -> Path:
 IMAGE_TOKEN = "<image>"
 
 
+def random_image(seed: int, height: int, width: int) -> "Image.Image":
+    """An RGB image of seeded random pixels (a test's image input; its content is irrelevant)."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
 def build_tiny_llava(out_dir: str | Path, *, seed: int = 0, image_size: int = 28, patch_size: int = 7,
                      dtype: torch.dtype = torch.float32) -> Path:
     """A random LLaVA checkpoint: a 3-layer CLIP vision tower (``image_size / patch_size``

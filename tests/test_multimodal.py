@@ -5,22 +5,19 @@ ValueError."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 from transformers import AutoTokenizer, CLIPImageProcessorPil, LlavaForConditionalGeneration, LlavaProcessor
 
 from pagelm import LLM, SamplingParams
-from pagelm.models.testing import build_tiny_llava
+from pagelm.models.testing import build_tiny_llava, random_image
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def image(seed: int, height: int, width: int) -> Image.Image:
-    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
+image = random_image
 
 
 IMAGES = [image(0, 40, 60), image(1, 28, 28), image(2, 100, 50), image(3, 17, 90)]

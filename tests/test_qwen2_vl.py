@@ -5,15 +5,13 @@ markers."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
 from pagelm import LLM, SamplingParams
 from pagelm.models.qwen2_vl import mrope_positions
-from pagelm.models.testing import IMAGE_PAD, QWEN2_VL_IMAGE, build_tiny_qwen2_vl
+from pagelm.models.testing import IMAGE_PAD, QWEN2_VL_IMAGE, build_tiny_qwen2_vl, random_image
 from pagelm.multimodal import MultiModalFeature
 from pagelm.worker.cuda_graphs import CudaGraphRunner
 
@@ -22,9 +20,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
 V = QWEN2_VL_IMAGE
 
 
-def image(seed: int, height: int, width: int) -> Image.Image:
-    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
+image = random_image
 
 
 # Resized to 42x56, 28x28, 84x42 and 14x84 pixels: 12, 4, 18 and 6 embeddings (3x4, 2x2, 6x3, 1x6).
