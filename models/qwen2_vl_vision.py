@@ -61,9 +61,12 @@ class Qwen2VLVisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        # Each image attends to itself only: one call per image (no [n, n] mask to build).
+        # Each image attends to itself only: one call per image (no [n, n] mask to build). The
+        # inputs are 4-D ([1, heads, patches, head_dim]): with 3-D ones torch's SDPA skips its
+        # flash and memory-efficient kernels for the math one, whose [heads, n, n] float32
+        # scores for a 16,384-embedding image (65,536 patches) would need 256 GiB.
         outs = [
-            F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
+            F.scaled_dot_product_attention(qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None])[0]
             for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))
         ]
         out = torch.cat(outs, dim=1).transpose(0, 1).reshape(n, -1)

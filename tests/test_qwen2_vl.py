@@ -217,3 +217,19 @@ def test_decode_graphs_add_each_requests_delta(qwen2_vl_dir, hf_results, budget)
         )
         assert_equal_to_hf(llm.generate(prompts(), GREEDY, use_tqdm=False), hf_results)
         assert runner.cuda_graphs.num_replays >= MAX_TOKENS - 1
+
+
+@pytest.mark.gpu
+def test_cuda_decode_graphs_with_images_equal_hugging_face(qwen2_vl_dir, hf_results):
+    """On a GPU the decode steps replay captured graphs that add each request's M-RoPE delta
+    (the path the CPU test above can only run eagerly): tokens still equal Hugging Face's,
+    and the graphs are what ran the decodes."""
+    with LLM(str(qwen2_vl_dir), device="cuda", dtype="float32", block_size=16) as llm:
+        graphs = llm.engine.core.runner.cuda_graphs
+        assert graphs is not None
+        before = graphs.num_replays
+        outputs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+        for (hf_prompt, hf_tokens, hf_logprobs), out in zip(hf_results, outputs):
+            assert out.prompt_token_ids == hf_prompt
+            assert list(out.outputs[0].token_ids) == hf_tokens
+        assert graphs.num_replays - before >= MAX_TOKENS - 1

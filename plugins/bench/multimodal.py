@@ -11,7 +11,8 @@
   with the device synchronised), best of ``--iters``.
 - **Decode speed with and without an image**: a batch of ``--batch-size`` prompts, decode time
   per output token (TPOT) and tokens/s, once text-only and once with an image in each prompt,
-  on the same engine (the language model alone decodes either way: the numbers should agree).
+  on the same engine, the text-only prompts as long as the expanded image prompts (the language
+  model alone decodes either way, over the same context: the numbers should agree).
 
 ``--model llava-1.5-7b`` or ``--model qwen2-vl-2b`` runs the preset with random weights and
 no tokenizer (Qwen2-VL keeps each image's size: 640x480 is 391 embeddings, where LLaVA crops
@@ -72,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
     text = random.Random(0)
     vocab = min(llm.engine.vocab_size, 30000, mm.placeholder_token_id)  # text ids: never the placeholder
 
-    def prompt(image=None) -> dict:
-        ids = [text.randrange(100, vocab) for _ in range(args.input_len)]
+    def prompt(image=None, text_len: int = args.input_len) -> dict:
+        ids = [text.randrange(100, vocab) for _ in range(text_len)]
         if image is None:
             return {"prompt_token_ids": ids}
         ids.insert(len(ids) // 2, mm.placeholder_token_id)
@@ -97,11 +98,11 @@ def run(args: argparse.Namespace) -> int:
     hit = [ttft(prompt(seen)) for _ in range(args.iters)]
 
     images_per_s = encoder_throughput(llm, mm, rng, width, height, args)
-    tpot_text, tpot_image = (
-        decode_tpot(llm, [prompt(None if i is None else random_image(rng, width, height)) for i in batch], args)
-        for batch in ([None] * args.batch_size, [1] * args.batch_size)
-    )
     num_embeddings = mm.num_embeddings(mm.preprocess(seen))
+    # The text-only prompts are as long as the image prompts once their placeholder is expanded,
+    # so both batches decode over the same context: only the image path (M-RoPE deltas) differs.
+    tpot_text = decode_tpot(llm, [prompt(text_len=args.input_len + num_embeddings) for _ in range(args.batch_size)], args)
+    tpot_image = decode_tpot(llm, [prompt(random_image(rng, width, height)) for _ in range(args.batch_size)], args)
     result = {
         "model": args.model, "image_size": args.image_size, "embeddings_per_image": num_embeddings,
         "input_len": args.input_len, "preprocess_ms": 1e3 * statistics.median(preprocess_s),
