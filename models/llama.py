@@ -93,12 +93,14 @@ class LlamaAttention(nn.Module):
         """``position_qk`` as data, when the bound attention backend applies it itself
         (``Attention.fuses_rotary``): plain RoPE at 1-D positions (M-RoPE's are 1-D at text
         and decode tokens), and a q/k norm only over whole-head rotary. None: the model runs
-        ``position_qk``."""
+        ``position_qk`` (a subclass whose ``position_qk`` does other math overrides this too)."""
         rope = self.rotary_emb
         if ops.ROTARY_KV_FUSION_DISABLED or not self.attn.fuses_rotary or positions.dim() != 1:
             return None
         norm = self.qk_norm()
         if norm is None:
+            if type(self).normalize_qk is not LlamaAttention.normalize_qk:
+                return None  # a q/k normalisation the backend was not told about
             return QKRotary(positions, rope.cos_sin_cache)
         if rope.rotary_dim != rope.head_dim:
             return None
