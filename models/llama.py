@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagelm.attention import Attention
+from pagelm.attention import Attention, QKRotary
 from pagelm.distributed import parallel_state
 from pagelm.models import ops
 from pagelm.models.layers import (
@@ -77,8 +77,34 @@ class LlamaAttention(nn.Module):
         """Attention over ``input_norm(hidden_states, residual)``; returns its output and the
         next residual. The norm runs inside the qkv projection."""
         (q, k, v), residual = self.qkv_proj.forward_normed(input_norm, hidden_states, residual)
+        rotary = self.backend_rotary(positions)
+        if rotary is not None:
+            # The backend norms and rotates q and k in the kernel that stores K/V.
+            return self.o_proj(self.attn(q, k, v, rotary=rotary)), residual
         q, k = self.position_qk(positions, q, k)
         return self.o_proj(self.attn(q, k, v)), residual
+
+    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """``(q_weight, k_weight, eps)`` of the per-head RMSNorm ``normalize_qk`` applies, for
+        a backend that applies it itself; None: no q/k norm (``normalize_qk`` is the identity)."""
+        return None
+
+    def backend_rotary(self, positions: torch.Tensor) -> QKRotary | None:
+        """``position_qk`` as data, when the bound attention backend applies it itself
+        (``Attention.fuses_rotary``): plain RoPE at 1-D positions (M-RoPE's are 1-D at text
+        and decode tokens), and a q/k norm only over whole-head rotary. None: the model runs
+        ``position_qk`` (a subclass whose ``position_qk`` does other math overrides this too)."""
+        rope = self.rotary_emb
+        if ops.ROTARY_KV_FUSION_DISABLED or not self.attn.fuses_rotary or positions.dim() != 1:
+            return None
+        norm = self.qk_norm()
+        if norm is None:
+            if type(self).normalize_qk is not LlamaAttention.normalize_qk:
+                return None  # a q/k normalisation the backend was not told about
+            return QKRotary(positions, rope.cos_sin_cache)
+        if rope.rotary_dim != rope.head_dim:
+            return None
+        return QKRotary(positions, rope.cos_sin_cache, *norm)
 
     def position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """What q and k go through before attention: the model's q/k normalisation (none

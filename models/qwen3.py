@@ -31,6 +31,9 @@ class Qwen3Attention(LlamaAttention):
             rope.head_dim,
         )
 
+    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q_heads, _ = self.q_norm(q.view(q.shape[0], -1, self.head_dim))
         k_heads, _ = self.k_norm(k.view(k.shape[0], -1, self.head_dim))

@@ -524,6 +524,20 @@ def test_engine_greedy_tokens_equal_the_reference_with_and_without_cascade(make_
     assert got_off == want and builder_off.num_cascade_steps == 0
 
 
+def test_engine_greedy_tokens_equal_the_reference_when_the_model_hands_over_qk_norm_and_rotary(
+    make_model, engine_fi, monkeypatch
+):
+    """Qwen3's q/k norm and rotary go to the backend's K/V store (``rotary=``), not the model."""
+    model_dir = make_model("fi_qwen3", "qwen3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    prompts = [{"prompt_token_ids": [5 + 3 * i + j for j in range(4 + 5 * i)]} for i in range(3)]
+    want, _ = _tokens(model_dir, "torch", prompts)
+    handed_over = []
+    rotary_store_kv = fi_backend.rotary_store_kv
+    monkeypatch.setattr(fi_backend, "rotary_store_kv", lambda *a: handed_over.append(1) or rotary_store_kv(*a))
+    got, _ = _tokens(model_dir, "flashinfer", prompts)
+    assert got == want and handed_over
+
+
 # =============================================================================================
 # the shared-prefix benchmark workload
 # =============================================================================================

@@ -133,7 +133,9 @@ def triton_on_cpu():
         pytest.skip("graph emulation for the CPU; CUDA runs the real graphs")
     from triton_interpreter import interpreted_kernels
 
-    with interpreted_kernels("pagelm.backends.triton.paged_attention", "pagelm.backends.triton.kv_store"):
+    with interpreted_kernels(
+        "pagelm.backends.kernels.rotary", "pagelm.backends.triton.paged_attention", "pagelm.backends.triton.kv_store"
+    ):
         yield
 
 

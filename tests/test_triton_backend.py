@@ -32,7 +32,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 @pytest.fixture(scope="module", autouse=True)
 def triton_interpreter():
     """On CPU: TRITON_INTERPRET=1 while this module runs, with the kernels decorated under it."""
-    with interpreted_kernels("pagelm.backends.triton.paged_attention", "pagelm.backends.triton.kv_store"):
+    with interpreted_kernels(
+        "pagelm.backends.kernels.rotary", "pagelm.backends.triton.paged_attention", "pagelm.backends.triton.kv_store"
+    ):
         yield
 
 

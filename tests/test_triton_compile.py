@@ -66,6 +66,23 @@ SCRIPT = textwrap.dedent(
         | {"slot_mapping_ptr": "*i64", "stride_cache_block": "i64"},
         dict(NUM_KV_HEADS=8, HEAD_DIM=128, KV_HEADS_PAD=8, HEAD_PAD=128, BLOCK_SIZE=16, USE_PDL=True, launch_pdl=True),
     )
+    for dtype, heads, kv_heads, head_dim, rotary_dim, norm in [
+        (torch.bfloat16, 16, 8, 128, 128, True),   # Qwen3-0.6B: q/k norm + rotary + store
+        (torch.bfloat16, 32, 8, 128, 128, False),  # Llama-3-8B: rotary + store
+        (torch.float16, 8, 2, 64, 32, False),      # partial rotary: the rest of k copied
+    ]:
+        half_pad = rotary_dim // 2
+        compile_kernel(
+            kv_store._rotary_store_kv_kernel,
+            dict.fromkeys(["query_ptr", "key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr",
+                           "q_norm_w_ptr", "k_norm_w_ptr"], TYPES[dtype])
+            | {"slot_mapping_ptr": "*i64", "positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "eps": "fp32",
+               "stride_cache_block": "i64"},
+            dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=rotary_dim // 2, HALF_PAD=half_pad,
+                 TAIL_PAD=triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0,
+                 HEAD_PAD=head_dim, Q_BLOCK_H=min(heads, 2048 // half_pad), KV_HEADS_PAD=kv_heads, BLOCK_SIZE=16,
+                 INTERPRETED=False, NORM=norm, USE_PDL=True, num_warps=4, launch_pdl=True),
+        )
     for silu, norm, residual, even_k in [(False, False, False, True), (True, False, False, True),
                                          (False, True, True, True), (False, True, False, False)]:
         compile_kernel(

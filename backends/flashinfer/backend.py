@@ -2,7 +2,8 @@
 tensor-core decode for GQA, cascade attention over a shared prefix) behind pagelm's contract.
 
 Per layer: store this step's K/V through ``slot_mapping`` (pagelm's Triton store kernel, which
-skips the padding rows of a graph batch), then ``run`` the wrappers the builder planned for the
+skips the padding rows of a graph batch; with the model's q/k norm and rotary in the same
+launch when it hands them over, ``QKRotary``), then ``run`` the wrappers the builder planned for the
 step (``metadata.py``). The cache is FlashInfer's NHD layout, K and V of a block side by side::
 
     kv_cache[block, 0 | 1, offset, kv_head, :]      [num_blocks, 2, block_size, kv_heads, head_dim]
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagelm.attention import AttentionBackend, AttentionImpl, AttentionSpec, GraphSupport
+from pagelm.attention import AttentionBackend, AttentionImpl, AttentionSpec, GraphSupport, QKRotary
 from pagelm.backends.flashinfer.metadata import FlashInferMetadata, FlashInferMetadataBuilder, cascade_min_blocks
 
 if TYPE_CHECKING:
@@ -52,15 +53,55 @@ def store_kv(
     kv_cache[blocks, 1, offsets] = value[keep].view(-1, num_kv_heads, head_dim)
 
 
+def rotary_store_kv(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, rotary: QKRotary, spec: AttentionSpec,
+) -> torch.Tensor:
+    """``rotary`` applied to q and k, then ``store_kv``; returns q. On CUDA one Triton launch
+    (the triton backend's, on this layout's K and V halves) that rotates q in place."""
+    if kv_cache.is_cuda:
+        from pagelm.backends.triton.kv_store import rotary_store_kv as triton_rotary_store_kv
+
+        return triton_rotary_store_kv(
+            query, key, value, kv_cache[:, 0], kv_cache[:, 1], slot_mapping, rotary,
+            spec.num_heads, spec.num_kv_heads, spec.head_dim,
+        )
+    # CPU (tests): the model's eager math, out of place.
+    query = _norm_rotate(query, rotary.q_norm_weight, rotary, spec.head_dim)
+    key = _norm_rotate(key, rotary.k_norm_weight, rotary, spec.head_dim)
+    n = slot_mapping.shape[0]
+    store_kv(key[:n], value[:n], kv_cache, slot_mapping, spec.num_kv_heads, spec.head_dim)
+    return query
+
+
+def _norm_rotate(x: torch.Tensor, norm_weight: torch.Tensor | None, rotary: QKRotary, head_dim: int) -> torch.Tensor:
+    """Per-head RMSNorm (normalised in float32, scaled in the model dtype), then neox RoPE
+    over the first ``rotary_dim`` dims of each head in float32."""
+    heads = x.reshape(x.shape[0], -1, head_dim)
+    if norm_weight is not None:
+        heads = norm_weight * torch.nn.functional.rms_norm(heads.float(), (heads.shape[-1],), eps=rotary.eps).to(x.dtype)
+    rotary_dim = rotary.cos_sin_cache.shape[-1]
+    cos, sin = rotary.cos_sin_cache[rotary.positions].unsqueeze(1).chunk(2, dim=-1)
+    x1, x2 = heads[..., :rotary_dim].float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return torch.cat([rotated, heads[..., rotary_dim:]], dim=-1).reshape(x.shape)
+
+
 class FlashInferAttentionImpl(AttentionImpl):
+    # The model's q/k norm and rotary run in the K/V store kernel (the triton backend's).
+    fuses_rotary = True
+
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
         self._merge_state_in_place = None
 
-    def forward(self, query, key, value, kv_cache, metadata: FlashInferMetadata):
+    def forward(self, query, key, value, kv_cache, metadata: FlashInferMetadata, rotary: QKRotary | None = None):
         spec, md = self.spec, metadata
         n, nd = md.num_actual_tokens, md.num_decode_tokens
-        store_kv(key[:n], value[:n], kv_cache, md.slot_mapping[:n], spec.num_kv_heads, spec.head_dim)
+        if rotary is None:
+            store_kv(key[:n], value[:n], kv_cache, md.slot_mapping[:n], spec.num_kv_heads, spec.head_dim)
+        else:
+            query = rotary_store_kv(query, key, value, kv_cache, md.slot_mapping[:n], rotary, spec)
         q = query[:n].view(n, spec.num_heads, spec.head_dim)  # rows may be strided: FlashInfer takes strides
         out = torch.empty(query.shape[0], spec.num_heads, spec.head_dim, dtype=query.dtype, device=query.device)
         plan = md.plans[spec]

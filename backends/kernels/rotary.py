@@ -27,6 +27,29 @@ from pagelm.backends.kernels.common import (
 
 
 @triton.jit
+def norm_rotate(x1, x2, cos, sin, norm_w_ptr, eps, dims, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
+                NORM: tl.constexpr):
+    """Rotated halves ``(x1 cos - x2 sin, x2 cos + x1 sin)`` of ``[heads, HALF_PAD]`` tiles, in
+    their dtype; with ``NORM``, each head (``x1 | x2``, the whole head) is RMS-normalised and
+    scaled by the weight at ``norm_w_ptr`` first. Shared with the backends' rotary + KV store
+    kernel, so both round alike."""
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    if NORM:
+        # Per-head RMSNorm first (Qwen3's q_norm / k_norm; rotary covers the whole head):
+        # normalise in float32, round to the model dtype, scale by the weight in that
+        # dtype, exactly the steps of the eager RMSNorm the rotation would otherwise read.
+        inv_rms = 1.0 / tl.sqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)
+        w1 = tl.load(norm_w_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_w_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+        a = round_to(round_to(a * inv_rms[:, None], x1.dtype, INTERPRETED).to(tl.float32) * w1,
+                     x1.dtype, INTERPRETED).to(tl.float32)
+        b = round_to(round_to(b * inv_rms[:, None], x1.dtype, INTERPRETED).to(tl.float32) * w2,
+                     x1.dtype, INTERPRETED).to(tl.float32)
+    return round_to(a * cos - b * sin, x1.dtype, INTERPRETED), round_to(b * cos + a * sin, x1.dtype, INTERPRETED)
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr, stride_tok, stride_head, num_heads, tok, cos, sin, norm_w_ptr, eps,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -39,21 +62,9 @@ def _rotate_heads(
         first = x_ptr + tok * stride_tok + heads[:, None].to(tl.int64) * stride_head + dims[None, :]
         x1 = tl.load(first, mask=mask, other=0.0)
         x2 = tl.load(first + HALF, mask=mask, other=0.0)
-        a = x1.to(tl.float32)
-        b = x2.to(tl.float32)
-        if NORM:
-            # Per-head RMSNorm first (Qwen3's q_norm / k_norm; rotary covers the whole head):
-            # normalise in float32, round to the model dtype, scale by the weight in that
-            # dtype, exactly the steps of the eager RMSNorm the rotation would otherwise read.
-            inv_rms = 1.0 / tl.sqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)
-            w1 = tl.load(norm_w_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
-            w2 = tl.load(norm_w_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
-            a = round_to(round_to(a * inv_rms[:, None], x1.dtype, INTERPRETED).to(tl.float32) * w1,
-                         x1.dtype, INTERPRETED).to(tl.float32)
-            b = round_to(round_to(b * inv_rms[:, None], x1.dtype, INTERPRETED).to(tl.float32) * w2,
-                         x1.dtype, INTERPRETED).to(tl.float32)
-        tl.store(first, round_to(a * cos - b * sin, x1.dtype, INTERPRETED), mask=mask)
-        tl.store(first + HALF, round_to(b * cos + a * sin, x1.dtype, INTERPRETED), mask=mask)
+        o1, o2 = norm_rotate(x1, x2, cos, sin, norm_w_ptr, eps, dims, HALF, INTERPRETED, NORM)
+        tl.store(first, o1, mask=mask)
+        tl.store(first + HALF, o2, mask=mask)
 
 
 @triton.jit

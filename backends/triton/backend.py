@@ -1,7 +1,8 @@
 """The ``triton`` attention backend: Triton kernels for the paged KV cache.
 
 Per layer, two or three launches and no host sync: ``store_kv`` scatters this step's K/V
-through ``slot_mapping``; ``paged_attention`` serves every request's query tokens (prefill,
+through ``slot_mapping`` (``rotary_store_kv`` when the model hands its q/k norm and rotary
+over, ``QKRotary``: they run in the same launch); ``paged_attention`` serves every request's query tokens (prefill,
 chunked prefill, decode); when the step has long-context decodes, those instead go through
 ``split_decode_attention`` (split-K over the KV sequence, then a reduce). Every host-side
 decision (which requests are decodes, how many splits) is made once per step by the
@@ -28,6 +29,7 @@ from pagelm.attention import (
     AttentionSpec,
     CommonAttentionMetadata,
     GraphSupport,
+    QKRotary,
 )
 
 if TYPE_CHECKING:
@@ -161,6 +163,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
 
 
 class TritonAttentionImpl(AttentionImpl):
+    # The model's q/k norm and rotary run in the K/V store kernel (``rotary_store_kv``).
+    fuses_rotary = True
+
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
         from pagelm.backends.triton import kv_store, paged_attention
@@ -168,14 +173,20 @@ class TritonAttentionImpl(AttentionImpl):
         self._kv_store = kv_store
         self._attn = paged_attention
 
-    def forward(self, query, key, value, kv_cache, metadata: TritonAttentionMetadata):
+    def forward(self, query, key, value, kv_cache, metadata: TritonAttentionMetadata, rotary: QKRotary | None = None):
         spec, md = self.spec, metadata
         num_tokens = md.num_actual_tokens
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        self._kv_store.store_kv(
-            key[:num_tokens], value[:num_tokens], key_cache, value_cache,
-            md.slot_mapping[:num_tokens], spec.num_kv_heads, spec.head_dim,
-        )
+        if rotary is None:
+            self._kv_store.store_kv(
+                key[:num_tokens], value[:num_tokens], key_cache, value_cache,
+                md.slot_mapping[:num_tokens], spec.num_kv_heads, spec.head_dim,
+            )
+        else:
+            query = self._kv_store.rotary_store_kv(
+                query, key, value, key_cache, value_cache, md.slot_mapping[:num_tokens], rotary,
+                spec.num_heads, spec.num_kv_heads, spec.head_dim,
+            )
         if query.stride(-1) != 1:
             query = query.contiguous()
         out = torch.empty(query.shape[0], spec.num_heads * spec.head_dim, dtype=query.dtype, device=query.device)

@@ -7,6 +7,7 @@ from pagelm.attention.backend import (
     AttentionSpec,
     CommonAttentionMetadata,
     GraphSupport,
+    QKRotary,
 )
 from pagelm.attention.forward_context import ForwardContext, forward_context, get_forward_context
 from pagelm.attention.layer import Attention, attention_layers
@@ -19,6 +20,7 @@ __all__ = [
     "AttentionSpec",
     "CommonAttentionMetadata",
     "GraphSupport",
+    "QKRotary",
     "ForwardContext",
     "attention_layers",
     "forward_context",

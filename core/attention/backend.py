@@ -122,9 +122,27 @@ class AttentionMetadataBuilder(ABC):
         return True
 
 
+@dataclass(frozen=True)
+class QKRotary:
+    """What q and k still need before attention, for an impl with ``fuses_rotary``: an
+    optional per-head RMSNorm (Qwen3's ``q_norm``/``k_norm``, weights ``[head_dim]``), then
+    neox RoPE over each head's first ``rotary_dim`` dims (``cos_sin_cache`` float32
+    ``[max_position, rotary_dim]``, cos then sin) at ``positions`` (``[num_tokens]``)."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    q_norm_weight: torch.Tensor | None = None
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
+
+
 class AttentionImpl(ABC):
     """One per attention layer: writes this step's K/V through ``slot_mapping`` into the
     paged cache, then attends over the cache through the block table."""
+
+    # True: ``forward`` also takes ``rotary=QKRotary`` (q and k not yet normed or rotated) and
+    # applies it itself, e.g. in the kernel that stores K/V. Models check it per call.
+    fuses_rotary: ClassVar[bool] = False
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagelm.attention.backend import AttentionImpl, AttentionSpec
+from pagelm.attention.backend import AttentionImpl, AttentionSpec, QKRotary
 from pagelm.attention.forward_context import get_forward_context
 
 
@@ -28,9 +28,19 @@ class Attention(nn.Module):
         self.impl: AttentionImpl | None = None
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    @property
+    def fuses_rotary(self) -> bool:
+        """Whether ``forward`` takes ``rotary=`` (the bound impl applies q/k norm and RoPE)."""
+        return self.impl is not None and self.impl.fuses_rotary
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotary: QKRotary | None = None
+    ) -> torch.Tensor:
         assert self.impl is not None and self.kv_cache is not None, "attention layer is not bound"
-        return self.impl.forward(q, k, v, self.kv_cache, get_forward_context().attn_metadata)
+        metadata = get_forward_context().attn_metadata
+        if rotary is None:
+            return self.impl.forward(q, k, v, self.kv_cache, metadata)
+        return self.impl.forward(q, k, v, self.kv_cache, metadata, rotary=rotary)
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:

@@ -23,6 +23,11 @@ FUSED_OPS_DISABLED = os.environ.get("PAGELM_DISABLE_FUSED_OPS", "0").lower() in 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 # ``PAGELM_DISABLE_GEMV=1`` keeps decode projections on cuBLAS (to compare the two).
 GEMV_DISABLED = os.environ.get("PAGELM_DISABLE_GEMV", "0").lower() in ("1", "true", "on", "yes")
+# ``PAGELM_DISABLE_ROTARY_KV_FUSION=1`` keeps q/k norm and rotary in the model where the
+# attention backend would run them in its K/V store kernel (to compare the two).
+ROTARY_KV_FUSION_DISABLED = FUSED_OPS_DISABLED or os.environ.get(
+    "PAGELM_DISABLE_ROTARY_KV_FUSION", "0"
+).lower() in ("1", "true", "on", "yes")
 
 
 def fused_ops_enabled(x: torch.Tensor) -> bool:
@@ -166,6 +171,7 @@ def rms_norm_linear(
 
 __all__ = [
     "FUSED_OPS_DISABLED",
+    "ROTARY_KV_FUSION_DISABLED",
     "fused_ops_enabled",
     "linear",
     "qk_norm_rotary_embedding",

@@ -4,7 +4,7 @@ plugin like any third party's: ``hermes`` (Hermes 2 Pro, Qwen 2.5 / 3) and ``lla
 
 from pagelm import hookimpl
 
-PAGELM_PLUGIN_API = "2.12"
+PAGELM_PLUGIN_API = "2.13"
 
 
 @hookimpl
