@@ -342,13 +342,16 @@ class EngineCore:
             previous_end = f.end
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
-            self._first_scheduled.pop(req.request_id, None)
-            self.plugins.notify("pagelm_request_finished", request=req, reason="abort")
+        self._forget_finished(self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED))
 
     def finish_by_stop_string(self, request_ids: Iterable[str]) -> None:
-        for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED):
-            self.plugins.notify("pagelm_request_finished", request=req, reason="stop")
+        self._forget_finished(self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED))
+
+    def _forget_finished(self, requests: list[Request]) -> None:
+        """Tell the plugins each request finished (reason: its status's finish reason)."""
+        for req in requests:
+            self._first_scheduled.pop(req.request_id, None)
+            self.plugins.notify("pagelm_request_finished", request=req, reason=req.status.finish_reason)
 
     def fail_all(self, error: str) -> list[EngineCoreOutput]:
         """End every request with ``error`` after a step raised (nobody knows which request
@@ -362,9 +365,7 @@ class EngineCore:
         self.kv_cache_manager.pool.reset_prefix_cache()
         if self.kv_cache_manager.offload is not None:
             self.kv_cache_manager.offload.reset()
-        self._first_scheduled.clear()
-        for req in failed:
-            self.plugins.notify("pagelm_request_finished", request=req, reason="error")
+        self._forget_finished(failed)
         return [EngineCoreOutput(r.request_id, [], finish_reason="error", error=error) for r in failed]
 
     def has_unfinished_requests(self) -> bool:
@@ -459,8 +460,7 @@ class EngineCore:
         if self._first_scheduled:
             for out in outputs:
                 out.first_scheduled_time = self._first_scheduled.pop(out.request_id, None)
-        for req in finished:
-            self.plugins.notify("pagelm_request_finished", request=req, reason=req.status.finish_reason)
+        self._forget_finished(finished)
         return outputs
 
     def shutdown(self) -> None:
