@@ -13,14 +13,13 @@ Tokenizing and detokenizing stay in the API process; the engine core only sees t
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from pagelm.config import EngineConfig
 from pagelm.engine.core_client import EngineDeadError, EngineShuttingDown, InprocCoreClient, MPCoreClient
-from pagelm.engine.core_loop import SchedulerStats
+from pagelm.engine.core_loop import SchedulerStats, freeze_heap
 from pagelm.engine.core_output import ENGINE_FAULT, EngineStepError
 from pagelm.engine.input_processor import ProcessedRequest, PromptType
 from pagelm.engine.iteration_stats import IterationStats
@@ -136,9 +135,7 @@ class AsyncLLM:
         await self._started
 
     async def _start(self) -> None:
-        # Start-up objects never die: keep full collections of the serving loop off them.
-        gc.collect()
-        gc.freeze()
+        freeze_heap()  # full collections of the serving loop skip the start-up objects
         await self.core.start()
         self._tasks.append(asyncio.create_task(self._output_loop(), name="pagelm-output-loop"))
         if self.log_stats_interval:

@@ -13,6 +13,7 @@ the next command, so an idle engine costs nothing::
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,6 +97,14 @@ def core_facts(core: EngineCore) -> dict[str, int]:
     """What a client learns of the engine core it started (``CoreClient.set_facts``)."""
     return {"max_model_len": core.max_model_len, "vocab_size": core.vocab_size,
             "num_kv_blocks": core.num_kv_blocks, "block_size": core.config.block_size}
+
+
+def freeze_heap() -> None:
+    """Move everything allocated so far (modules, weights' Python objects) out of the garbage
+    collector's reach: start-up objects never die, and otherwise each full collection walks
+    them all, stalling the loop."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_core_loop(
