@@ -195,10 +195,11 @@ def _decode_lp(data: list | None) -> LogprobsLists | None:
 
 
 def encode_outputs(outputs: list[EngineCoreOutput]) -> list:
+    """Each output as a list in ``EngineCoreOutput``'s field order."""
     return [
         [
-            o.request_id, o.new_token_ids, o.finish_reason, o.stop_reason, o.num_cached_tokens,
-            o.first_scheduled_time, _encode_lp(o.new_logprobs), _encode_lp(o.new_prompt_logprobs), o.error,
+            o.request_id, o.new_token_ids, _encode_lp(o.new_logprobs), _encode_lp(o.new_prompt_logprobs),
+            o.finish_reason, o.stop_reason, o.num_cached_tokens, o.first_scheduled_time, o.error,
             o.num_draft_tokens, o.num_accepted_tokens,
         ]
         for o in outputs
@@ -206,15 +207,7 @@ def encode_outputs(outputs: list[EngineCoreOutput]) -> list:
 
 
 def decode_outputs(data: list) -> list[EngineCoreOutput]:
-    return [
-        EngineCoreOutput(
-            request_id=rid, new_token_ids=ids, new_logprobs=_decode_lp(lp),
-            new_prompt_logprobs=_decode_lp(plp), finish_reason=reason, stop_reason=stop,
-            num_cached_tokens=cached, first_scheduled_time=sched, error=error,
-            num_draft_tokens=drafted, num_accepted_tokens=accepted,
-        )
-        for rid, ids, reason, stop, cached, sched, lp, plp, error, drafted, accepted in data
-    ]
+    return [EngineCoreOutput(rid, ids, _decode_lp(lp), _decode_lp(plp), *rest) for rid, ids, lp, plp, *rest in data]
 
 
 def encode_stats(stats: SchedulerStats) -> list:
@@ -222,9 +215,6 @@ def encode_stats(stats: SchedulerStats) -> list:
 
 
 def decode_stats(data: list) -> SchedulerStats:
-    fields = list(data)
-    fields[_KV_OFFLOAD] = KVOffloadStats(*fields[_KV_OFFLOAD])
-    return SchedulerStats(*fields)
-
-
-_KV_OFFLOAD = [f.name for f in dataclasses.fields(SchedulerStats)].index("kv_offload")
+    stats = SchedulerStats(*data)
+    stats.kv_offload = KVOffloadStats(*stats.kv_offload)
+    return stats
