@@ -135,10 +135,8 @@ class LLMEngine:
     def abort_request(self, request_ids: Iterable[str]) -> list[str]:
         """Abort requests; the id of an ``n > 1`` request aborts all its children. Returns
         the ids of the requests (children) that were still running."""
-        processor = self.output_processor
-        ids = [i for i in processor.expand_ids(request_ids) if i in processor.states]
+        ids = self.output_processor.abort(request_ids)
         self.core.abort_requests(ids)
-        processor.abort(ids)
         return ids
 
     def has_unfinished_requests(self) -> bool:
