@@ -47,10 +47,6 @@ class LLM:
     def __exit__(self, *exc_info: Any) -> None:
         self.shutdown()
 
-    def _check_open(self) -> None:
-        if self._shut_down:
-            raise RuntimeError("this LLM was shut down; create a new one to generate again")
-
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -65,7 +61,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the prompts' order. Every prompt is
         validated before any is queued, so bad input raises without leaving work behind."""
-        self._check_open()
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down; create a new one to generate again")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json as _json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,24 @@ class GuidedDecodingParams:
 StructuredOutputsParams = GuidedDecodingParams
 
 
+# The numeric parameters' allowed values: name -> (whether a value is allowed, the allowed
+# values as an error message names them). Booleans and integers past int64 were refused before.
+_PENALTY = (lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
+_ALLOWED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "temperature": (lambda v: not v < 0.0, "a float >= 0"),
+    "top_p": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "top_k": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 1, or 0 / -1 to disable"),
+    "min_p": (lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    "seed": (lambda v: v is None or isinstance(v, int), "an integer or None"),
+    "presence_penalty": _PENALTY,
+    "frequency_penalty": _PENALTY,
+    "repetition_penalty": (lambda v: 0.0 < v and math.isfinite(v), "a finite float > 0"),
+    "max_tokens": (lambda v: v is None or (isinstance(v, int) and v >= 1), "an integer >= 1 or None"),
+    "min_tokens": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+}
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding parameters. Invalid values raise ``ValueError`` naming the
@@ -173,31 +192,11 @@ class SamplingParams:
         if any(isinstance(t, int) and t > INT64_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"a list of token ids <= {INT64_MAX}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "an integer >= 1")
-        if self.temperature < 0.0:
-            raise bad("temperature", "a float >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "an integer >= 1, or 0 / -1 to disable")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer or None")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise bad(name, "in [-2, 2]")
-        if not (0.0 < self.repetition_penalty and math.isfinite(self.repetition_penalty)):
-            raise bad("repetition_penalty", "a finite float > 0")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "an integer >= 1 or None")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "an integer >= 0")
+        for name, (allowed, what) in _ALLOWED.items():
+            if not allowed(getattr(self, name)):
+                raise bad(name, what)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
-            )
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < -1):

@@ -13,14 +13,13 @@ Tokenizing and detokenizing stay in the API process; the engine core only sees t
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from pagelm.config import EngineConfig
 from pagelm.engine.core_client import EngineDeadError, EngineShuttingDown, InprocCoreClient, MPCoreClient
-from pagelm.engine.core_loop import SchedulerStats
+from pagelm.engine.core_loop import SchedulerStats, freeze_heap
 from pagelm.engine.core_output import ENGINE_FAULT, EngineStepError
 from pagelm.engine.input_processor import ProcessedRequest, PromptType
 from pagelm.engine.iteration_stats import IterationStats
@@ -129,23 +128,18 @@ class AsyncLLM:
         return cls(EngineConfig.from_kwargs(model, **engine_args), engine_process=engine_process)
 
     # ---- lifecycle ------------------------------------------------------------------------
-    async def _ensure_started(self) -> None:
+    async def start(self) -> None:
+        """Start the output loop now (``generate`` also starts it on first use)."""
         if self._started is None:
             self._started = asyncio.ensure_future(self._start())
         await self._started
 
     async def _start(self) -> None:
-        # Start-up objects never die: keep full collections of the serving loop off them.
-        gc.collect()
-        gc.freeze()
+        freeze_heap()  # full collections of the serving loop skip the start-up objects
         await self.core.start()
         self._tasks.append(asyncio.create_task(self._output_loop(), name="pagelm-output-loop"))
         if self.log_stats_interval:
             self._tasks.append(asyncio.create_task(self._log_loop(), name="pagelm-stats-log"))
-
-    async def start(self) -> None:
-        """Start the output loop now (``generate`` also starts it on first use)."""
-        await self._ensure_started()
 
     @property
     def is_running(self) -> bool:
@@ -173,7 +167,7 @@ class AsyncLLM:
         output (``FINAL_ONLY``). Bad input raises ``ValueError`` before anything is queued; a
         ``ProcessedRequest`` (already checked, e.g. by the server) is not checked again.
         Leaving the loop early (or being cancelled) aborts the request."""
-        await self._ensure_started()
+        await self.start()
         if self.dead_error is not None:
             raise self.dead_error
         if self.draining:
@@ -210,10 +204,8 @@ class AsyncLLM:
             stream.fail(_Aborted())
 
     def _abort(self, request_id: str) -> None:
-        processor = self.engine.output_processor
-        live = [i for i in processor.expand_ids([request_id]) if i in processor.states]
+        live = self.engine.abort_request([request_id])
         if live:  # else it has finished already
-            self.engine.abort_request(live)
             # Each sample is a request, as in vLLM.
             self._to_stat_loggers("request_finished", lambda s: s.request_finished("abort", len(live)))
 

@@ -195,16 +195,13 @@ class MPCoreClient(CoreClient):
     def _wait_ready(self) -> dict:
         while True:
             readable, _, _ = select.select([self._sock], [], [], 0.5)
-            if not readable:
-                if self.proc.poll() is not None:
-                    self._finalizer()
-                    raise RuntimeError(f"the engine core process exited with code {self.proc.returncode} while starting")
-                continue
-            data = self._sock.recv(1 << 16)
+            data = self._sock.recv(1 << 16) if readable else b""
             if not data:
-                code = self.proc.wait(timeout=10)
-                self._finalizer()
-                raise RuntimeError(f"the engine core process exited with code {code} while starting")
+                if readable or self.proc.poll() is not None:  # the socket closed, or the process exited
+                    code = self.proc.wait(timeout=10)
+                    self._finalizer()
+                    raise RuntimeError(f"the engine core process exited with code {code} while starting")
+                continue
             self._unpacker.feed(data)
             for msg in self._unpacker:
                 if msg[0] == "ready":

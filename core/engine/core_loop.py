@@ -13,6 +13,7 @@ the next command, so an idle engine costs nothing::
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,6 +97,14 @@ def core_facts(core: EngineCore) -> dict[str, int]:
     """What a client learns of the engine core it started (``CoreClient.set_facts``)."""
     return {"max_model_len": core.max_model_len, "vocab_size": core.vocab_size,
             "num_kv_blocks": core.num_kv_blocks, "block_size": core.config.block_size}
+
+
+def freeze_heap() -> None:
+    """Move everything allocated so far (modules, weights' Python objects) out of the garbage
+    collector's reach: start-up objects never die, and otherwise each full collection walks
+    them all, stalling the loop."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_core_loop(
@@ -186,10 +195,11 @@ def _decode_lp(data: list | None) -> LogprobsLists | None:
 
 
 def encode_outputs(outputs: list[EngineCoreOutput]) -> list:
+    """Each output as a list in ``EngineCoreOutput``'s field order."""
     return [
         [
-            o.request_id, o.new_token_ids, o.finish_reason, o.stop_reason, o.num_cached_tokens,
-            o.first_scheduled_time, _encode_lp(o.new_logprobs), _encode_lp(o.new_prompt_logprobs), o.error,
+            o.request_id, o.new_token_ids, _encode_lp(o.new_logprobs), _encode_lp(o.new_prompt_logprobs),
+            o.finish_reason, o.stop_reason, o.num_cached_tokens, o.first_scheduled_time, o.error,
             o.num_draft_tokens, o.num_accepted_tokens,
         ]
         for o in outputs
@@ -197,15 +207,7 @@ def encode_outputs(outputs: list[EngineCoreOutput]) -> list:
 
 
 def decode_outputs(data: list) -> list[EngineCoreOutput]:
-    return [
-        EngineCoreOutput(
-            request_id=rid, new_token_ids=ids, new_logprobs=_decode_lp(lp),
-            new_prompt_logprobs=_decode_lp(plp), finish_reason=reason, stop_reason=stop,
-            num_cached_tokens=cached, first_scheduled_time=sched, error=error,
-            num_draft_tokens=drafted, num_accepted_tokens=accepted,
-        )
-        for rid, ids, reason, stop, cached, sched, lp, plp, error, drafted, accepted in data
-    ]
+    return [EngineCoreOutput(rid, ids, _decode_lp(lp), _decode_lp(plp), *rest) for rid, ids, lp, plp, *rest in data]
 
 
 def encode_stats(stats: SchedulerStats) -> list:
@@ -213,9 +215,6 @@ def encode_stats(stats: SchedulerStats) -> list:
 
 
 def decode_stats(data: list) -> SchedulerStats:
-    fields = list(data)
-    fields[_KV_OFFLOAD] = KVOffloadStats(*fields[_KV_OFFLOAD])
-    return SchedulerStats(*fields)
-
-
-_KV_OFFLOAD = [f.name for f in dataclasses.fields(SchedulerStats)].index("kv_offload")
+    stats = SchedulerStats(*data)
+    stats.kv_offload = KVOffloadStats(*stats.kv_offload)
+    return stats

@@ -31,6 +31,7 @@ from pagelm.engine.core_loop import (
     decode_request,
     encode_outputs,
     encode_stats,
+    freeze_heap,
     run_core_loop,
 )
 
@@ -122,7 +123,7 @@ def serve(conn: MsgSocket) -> int:
         conn.send(["error", type(exc).__name__, str(exc)])
         return 1
     conn.send(["ready", core_facts(core)])
-    _freeze_heap()
+    freeze_heap()
 
     def inbox(block: bool) -> list:
         try:
@@ -160,15 +161,6 @@ def _decode_command(kind: str, payload) -> tuple:
     except Exception as exc:
         req_id = payload[0] if isinstance(payload, list) and payload and isinstance(payload[0], str) else "?"
         return REJECT, (req_id, f"invalid request: {type(exc).__name__}: {exc}")
-
-
-def _freeze_heap() -> None:
-    """Move everything allocated so far (modules, weights' Python objects) out of the garbage
-    collector's reach: otherwise each full collection walks it all, stalling the loop."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
 
 
 def share_cpu(config: EngineConfig) -> None:

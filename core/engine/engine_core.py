@@ -82,11 +82,10 @@ class EngineCore:
             config, self.vocab_size, eos_token_ids, device=self.device, async_scheduling=self.async_scheduling
         )
         self.multimodal = isinstance(self.runner.model, SupportsMultiModal)
-        self.encoder_cache_size = config.encoder_cache_embeddings
         self.scheduler = Scheduler(
             config, self.kv_cache_manager, policy_cls(config), self.max_model_len, self.structured_output,
             num_lookahead_tokens=0 if proposer_cls is None else proposer_cls.num_lookahead_slots(config),
-            encoder_cache=EncoderCacheManager(self.encoder_cache_size) if self.multimodal else None,
+            encoder_cache=EncoderCacheManager(config.encoder_cache_embeddings) if self.multimodal else None,
         )
         # req_id -> when it was first scheduled, until its first output carries it out.
         self._first_scheduled: dict[str, float] = {}
@@ -126,7 +125,9 @@ class EngineCore:
         self.runner.initialize_kv_cache(self.num_kv_blocks)
         self.num_cpu_blocks = 0
         if self.offload_cls is not None:
-            self.num_cpu_blocks = self._num_cpu_blocks()
+            self.num_cpu_blocks = config.num_cpu_blocks
+            if self.num_cpu_blocks is None:  # sized from swap_space (GiB)
+                self.num_cpu_blocks = int(config.swap_space * 2**30 // self._block_bytes())
             self._on_other_ranks("kv_offload", self.num_cpu_blocks)
             self.runner.initialize_kv_offload(self.offload_cls, self.num_cpu_blocks)
         if use_cuda_graphs:
@@ -207,12 +208,6 @@ class EngineCore:
         offload_cls = plugins.kv_offloads().get(self.config.kv_offload)
         raise_problems(f"kv_offload={self.config.kv_offload!r}", offload_cls.validate(self.config))
         return offload_cls
-
-    def _num_cpu_blocks(self) -> int:
-        cfg = self.config
-        if cfg.num_cpu_blocks is not None:
-            return cfg.num_cpu_blocks
-        return int(cfg.swap_space * 2**30 // self._block_bytes())
 
     def _block_bytes(self) -> int:
         """One KV block of every layer on this rank."""
@@ -329,7 +324,7 @@ class EngineCore:
                 f"request {request.request_id}: images do not run with tensor parallelism or speculative decoding yet"
             )
         ids, previous_end = request.prompt_token_ids, 0
-        limit = min(self.scheduler.encoder_budget, self.encoder_cache_size)
+        limit = min(self.scheduler.encoder_budget, self.config.encoder_cache_embeddings)
         for f in request.mm_features:
             if not previous_end <= f.offset < f.end <= len(ids) or f.length < 1:
                 raise ValueError(f"request {request.request_id}: image placeholders [{f.offset}, {f.end}) are not "
@@ -342,13 +337,16 @@ class EngineCore:
             previous_end = f.end
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
-            self._first_scheduled.pop(req.request_id, None)
-            self.plugins.notify("pagelm_request_finished", request=req, reason="abort")
+        self._forget_finished(self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED))
 
     def finish_by_stop_string(self, request_ids: Iterable[str]) -> None:
-        for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED):
-            self.plugins.notify("pagelm_request_finished", request=req, reason="stop")
+        self._forget_finished(self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED))
+
+    def _forget_finished(self, requests: list[Request]) -> None:
+        """Tell the plugins each request finished (reason: its status's finish reason)."""
+        for req in requests:
+            self._first_scheduled.pop(req.request_id, None)
+            self.plugins.notify("pagelm_request_finished", request=req, reason=req.status.finish_reason)
 
     def fail_all(self, error: str) -> list[EngineCoreOutput]:
         """End every request with ``error`` after a step raised (nobody knows which request
@@ -362,9 +360,7 @@ class EngineCore:
         self.kv_cache_manager.pool.reset_prefix_cache()
         if self.kv_cache_manager.offload is not None:
             self.kv_cache_manager.offload.reset()
-        self._first_scheduled.clear()
-        for req in failed:
-            self.plugins.notify("pagelm_request_finished", request=req, reason="error")
+        self._forget_finished(failed)
         return [EngineCoreOutput(r.request_id, [], finish_reason="error", error=error) for r in failed]
 
     def has_unfinished_requests(self) -> bool:
@@ -459,8 +455,7 @@ class EngineCore:
         if self._first_scheduled:
             for out in outputs:
                 out.first_scheduled_time = self._first_scheduled.pop(out.request_id, None)
-        for req in finished:
-            self.plugins.notify("pagelm_request_finished", request=req, reason=req.status.finish_reason)
+        self._forget_finished(finished)
         return outputs
 
     def shutdown(self) -> None:

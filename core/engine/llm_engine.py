@@ -132,11 +132,12 @@ class LLMEngine:
         if busy:
             raise ValueError(f"request_id {busy[0]!r} is already in use")
 
-    def abort_request(self, request_ids: Iterable[str]) -> None:
-        """Abort requests; the id of an ``n > 1`` request aborts all its children."""
-        ids = self.output_processor.expand_ids(request_ids)
+    def abort_request(self, request_ids: Iterable[str]) -> list[str]:
+        """Abort requests; the id of an ``n > 1`` request aborts all its children. Returns
+        the ids of the requests (children) that were still running."""
+        ids = self.output_processor.abort(request_ids)
         self.core.abort_requests(ids)
-        self.output_processor.abort(ids)
+        return ids
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

@@ -158,13 +158,6 @@ class OutputProcessor:
         if state.parent is not None:
             self.parent_children.setdefault(state.parent.request_id, []).append(state.request_id)
 
-    def expand_ids(self, request_ids: Iterable[str]) -> list[str]:
-        """Request ids with each ``n > 1`` parent id replaced by its unfinished children."""
-        out: list[str] = []
-        for req_id in request_ids:
-            out.extend(self.parent_children.get(req_id, (req_id,)))
-        return out
-
     def _forget(self, state: RequestState) -> None:
         del self.states[state.request_id]
         if state.parent is not None:
@@ -176,11 +169,14 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
 
-    def abort(self, request_ids: list[str]) -> None:
-        for req_id in request_ids:
-            state = self.states.get(req_id)
-            if state is not None:
-                self._forget(state)
+    def abort(self, request_ids: Iterable[str]) -> list[str]:
+        """Forget requests, each ``n > 1`` parent id standing for its unfinished children;
+        returns the ids of those that were still running."""
+        ids = (i for req_id in request_ids for i in self.parent_children.get(req_id, (req_id,)))
+        live = [i for i in dict.fromkeys(ids) if i in self.states]
+        for req_id in live:
+            self._forget(self.states[req_id])
+        return live
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput], stats: IterationStats | None = None
