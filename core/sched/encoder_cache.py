@@ -59,11 +59,7 @@ class EncoderCacheManager:
         ``size <= num_free_slots + num_freeable``."""
         assert identifier not in self.sizes, f"{identifier} is cached already"
         while self.num_free_slots < size:
-            old, old_size = self.freeable.popitem(last=False)
-            del self.sizes[old]
-            self.num_freeable -= old_size
-            self.num_free_slots += old_size
-            self.evicted.append(old)
+            self._drop(next(iter(self.freeable)), evicted=True)
         self.stats.queries += 1
         self.num_free_slots -= size
         self.sizes[identifier] = size
@@ -89,19 +85,13 @@ class EncoderCacheManager:
     def forget(self, identifier: str) -> None:
         """Drop an unreferenced entry outright: it was allocated this step and nobody
         encodes it after all (its request gave way in the same step)."""
-        size = self.freeable.pop(identifier, None)
-        if size is not None:
-            del self.sizes[identifier]
-            self.num_freeable -= size
-            self.num_free_slots += size
+        if identifier in self.freeable:
+            self._drop(identifier, evicted=False)
 
     def evict_all(self) -> None:
         """Evict every unreferenced entry (after a failed step, whose encodes may be missing)."""
         for identifier in list(self.freeable):
-            self.num_free_slots += self.sizes.pop(identifier)
-            self.evicted.append(identifier)
-        self.freeable.clear()
-        self.num_freeable = 0
+            self._drop(identifier, evicted=True)
 
     def take_evicted(self) -> list[str]:
         """Identifiers evicted since the last call: the runner drops their embeddings."""
@@ -187,6 +177,16 @@ class EncoderCacheManager:
         for identifier in self.step_new - self.step_assigned:
             self.forget(identifier)
         return self.take_evicted()
+
+    def _drop(self, identifier: str, evicted: bool) -> None:
+        """Remove an unreferenced entry; ``evicted``: the runner may hold its embeddings, so
+        the next ``SchedulerOutput`` tells it to drop them."""
+        size = self.freeable.pop(identifier)
+        del self.sizes[identifier]
+        self.num_freeable -= size
+        self.num_free_slots += size
+        if evicted:
+            self.evicted.append(identifier)
 
     def _ref(self, request_id: str, identifier: str) -> None:
         size = self.freeable.pop(identifier, None)
