@@ -60,9 +60,10 @@ class Scheduler:
         # Tokens computed for requests that had ended (EOS, stop, abort) before their step
         # came back: the price of scheduling a step while the previous one is in flight.
         self.num_discarded_tokens = 0
-        # Steps scheduled and not yet updated, oldest first, with their requests: a late token
-        # goes to the request it was computed for, never to a new one reusing its id.
-        self._unupdated_steps: deque[tuple[SchedulerOutput, list[Request]]] = deque()
+        # Steps scheduled and not yet updated, oldest first, with their requests and where each
+        # one's chunk starts: a late token goes to the request it was computed for, never to a
+        # new one reusing its id.
+        self._unupdated_steps: deque[tuple[SchedulerOutput, list[tuple[Request, int]]]] = deque()
         # Guided decoding: grammars compile off the step loop; a request joins the waiting
         # queue once its grammar is ready, or fails with the compile's error.
         self.structured_output = structured_output
@@ -266,7 +267,7 @@ class Scheduler:
         scheduled = []
         for req_id, num_new in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
-            scheduled.append(req)
+            scheduled.append((req, req.num_computed_tokens))
             if req_id not in new_ids:
                 out.scheduled_cached_reqs.append(
                     CachedRequestData(req_id, step.new_block_ids[req_id], req.num_computed_tokens)
@@ -438,13 +439,13 @@ class Scheduler:
         index = {req_id: i for i, req_id in enumerate(runner_out.req_ids)}
         if sched_out.structured_output_request_ids:
             self._advance_grammars(sched_out, runner_out, index)
-        for req in self._scheduled_requests(sched_out):
+        for req, start in self._scheduled_requests(sched_out):
             req_id = req.request_id
             if req.is_finished:  # it ended (EOS, stop, abort) while this step was in flight
                 self.num_discarded_tokens += sched_out.num_scheduled_tokens[req_id]
                 continue
             i = index[req_id]
-            prompt_lps = self._unreported_prompt_logprobs(req, sched_out, runner_out.prompt_logprobs.get(req_id))
+            prompt_lps = self._unreported_prompt_logprobs(req, start, runner_out.prompt_logprobs.get(req_id))
             # A step that did not reach the end of the request (a prefill chunk) sampled
             # nothing: with async scheduling its placeholder belongs to the step after it,
             # which the runner's empty list for this one tells apart.
@@ -479,9 +480,7 @@ class Scheduler:
         return outputs, finished
 
     @staticmethod
-    def _unreported_prompt_logprobs(
-        req: Request, sched_out: SchedulerOutput, prompt_lps: LogprobsLists | None
-    ) -> LogprobsLists | None:
+    def _unreported_prompt_logprobs(req: Request, start: int, prompt_lps: LogprobsLists | None) -> LogprobsLists | None:
         """The rows of ``prompt_lps`` for prompt positions not reported yet. A chunk starting
         at ``start`` scores positions ``start+1 ..``; recomputed after a preemption, a request
         scores from position 1 again::
@@ -491,14 +490,13 @@ class Scheduler:
         """
         if prompt_lps is None:
             return None
-        start = _chunk_start(sched_out, req.request_id)
         num_seen = req.num_prompt_logprobs_reported - start
         req.num_prompt_logprobs_reported = max(req.num_prompt_logprobs_reported, start + len(prompt_lps.ranks))
         return None if num_seen >= len(prompt_lps.ranks) else prompt_lps.skip(num_seen)
 
-    def _scheduled_requests(self, sched_out: SchedulerOutput) -> list[Request]:
-        """The requests ``schedule()`` gave ``sched_out`` (steps before it that were never
-        updated are forgotten)."""
+    def _scheduled_requests(self, sched_out: SchedulerOutput) -> list[tuple[Request, int]]:
+        """The requests ``schedule()`` gave ``sched_out``, with their computed tokens then
+        (steps before it that were never updated are forgotten)."""
         while self._unupdated_steps:
             out, requests = self._unupdated_steps.popleft()
             if out is sched_out:
@@ -591,14 +589,6 @@ class _StepState:
         self.new_block_ids.pop(req.request_id, None)
         self.partial_ids.discard(req.request_id)
         out.scheduled_new_reqs = [r for r in out.scheduled_new_reqs if r.req_id != req.request_id]
-
-
-def _chunk_start(sched_out: SchedulerOutput, req_id: str) -> int:
-    """The request's computed tokens when ``sched_out`` was scheduled: where its chunk starts."""
-    for data in (*sched_out.scheduled_new_reqs, *sched_out.scheduled_cached_reqs):
-        if data.req_id == req_id:
-            return data.num_computed_tokens
-    raise AssertionError(f"{req_id} has prompt logprobs from a step that did not schedule it")
 
 
 def _core_output(
