@@ -62,8 +62,8 @@ def draft_row_layout(draft_token_ids: list[list[int]]) -> tuple[list[int], list[
 
 
 class RejectionSampler:
-    def __init__(self, sampler: Sampler | None = None) -> None:
-        self.sampler = sampler or Sampler()
+    def __init__(self) -> None:
+        self.sampler = Sampler()
 
     def __call__(
         self,
