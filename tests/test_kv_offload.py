@@ -257,7 +257,7 @@ def test_a_spill_never_evicts_the_tier_block_a_load_reads_in_the_same_step():
 
 def test_a_block_loaded_and_swapped_out_again_in_one_step_is_shared_not_copied():
     tier = _tier(4)
-    gpu = BlockPool(8, enable_caching=True)
+    gpu = BlockPool(8)
     req = _request("a", list(range(7)))
     first = gpu.get_new_blocks(2)
     assert tier.swap_out("a", first, 7, force=True)

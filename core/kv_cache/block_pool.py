@@ -75,9 +75,8 @@ class BlockPool:
     """Owns every block. A block is in exactly one of: the free queue (ref_cnt 0, maybe still
     cached: lazy eviction), or in use by one or more requests (ref_cnt > 0)."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}

@@ -42,7 +42,7 @@ class KVCacheManager:
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's blocks are already registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}

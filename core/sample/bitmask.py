@@ -6,6 +6,7 @@ word ``j // 32`` set when token ``j`` is allowed. A row of all ones (``-1``) con
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -13,18 +14,19 @@ import torch
 from pagelm.kernels import fused_kernel
 
 _TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
-_BITS = None
-_COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 # Smaller bitmasks (16 rows of a 128k vocabulary) copy in a few microseconds: a side stream's
 # bookkeeping would cost the host more than the copy costs the device.
 _SIDE_STREAM_MIN_BYTES = 256 << 10
 
 
+@functools.cache
 def _bit_weights(device: torch.device) -> torch.Tensor:
-    global _BITS
-    if _BITS is None or _BITS.device != device:
-        _BITS = (torch.ones(32, dtype=torch.int64) << torch.arange(32, dtype=torch.int64)).to(device)
-    return _BITS
+    return (torch.ones(32, dtype=torch.int64) << torch.arange(32, dtype=torch.int64)).to(device)
+
+
+@functools.cache
+def _copy_stream(device: torch.device) -> "torch.cuda.Stream":
+    return torch.cuda.Stream(device)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -52,9 +54,7 @@ def upload_bitmask(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
     host sync."""
     if bitmask.device == device or bitmask.nbytes < _SIDE_STREAM_MIN_BYTES or not bitmask.is_pinned():
         return bitmask.to(device, non_blocking=True)
-    stream = _COPY_STREAMS.get(device)
-    if stream is None:
-        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    stream = _copy_stream(device)
     current = torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):  # allocated from the side stream's pool: no race with current's
         on_device = bitmask.to(device, non_blocking=True)

@@ -50,21 +50,20 @@ class RejectionSamplerOutput:
     logprobs: LogprobsTensors | None
 
 
-def draft_row_layout(draft_token_ids: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
-    """``(row_start, draft_rows, bonus_rows)`` of the layout above."""
-    row_start, draft_rows, bonus_rows, row = [], [], [], 0
+def draft_row_layout(draft_token_ids: list[list[int]]) -> tuple[list[int], list[int]]:
+    """``(draft_rows, bonus_rows)`` of the layout above."""
+    draft_rows, bonus_rows, row = [], [], 0
     for drafts in draft_token_ids:
-        row_start.append(row)
         draft_rows.extend(range(row, row + len(drafts)))
         row += len(drafts)
         bonus_rows.append(row)
         row += 1
-    return row_start, draft_rows, bonus_rows
+    return draft_rows, bonus_rows
 
 
 class RejectionSampler:
-    def __init__(self, sampler: Sampler | None = None) -> None:
-        self.sampler = sampler or Sampler()
+    def __init__(self) -> None:
+        self.sampler = Sampler()
 
     def __call__(
         self,
@@ -98,7 +97,7 @@ class RejectionSampler:
         return RejectionSamplerOutput(tokens, accepted, out.logprobs)
 
     def _verify_probabilistic(self, logits, md, draft_token_ids, draft_probs, generator) -> RejectionSamplerOutput:
-        _, draft_rows, bonus_rows = draft_row_layout(draft_token_ids)
+        draft_rows, bonus_rows = draft_row_layout(draft_token_ids)
         processed = process_logits(logits, md)
         p = target_probs(processed, md)
         device = logits.device

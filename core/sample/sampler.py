@@ -55,36 +55,20 @@ class Sampler(nn.Module):
         """
         assert logits.dim() == 2 and logits.dtype == torch.float32, "sampler expects [N, V] float32 logits"
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
-        sampled = self.sample(process_logits(logits, md), md, generator, noise)
-        logprobs = None
-        if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
+        logits = process_logits(logits, md)
+        sampled = None if md.all_random else logits.argmax(dim=-1)
+        if not md.all_greedy:
+            random = exponential_race(sampling_probs(logits, md), md.generators, generator, noise)
+            sampled = random if sampled is None else torch.where(md.temperature < SAMPLING_EPS, sampled, random)
+        logprobs = None if raw_logprobs is None else gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
-
-    def sample(
-        self,
-        logits: torch.Tensor,
-        md: SamplingMetadata,
-        generator: torch.Generator | None,
-        noise: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        greedy = None if md.all_random else logits.argmax(dim=-1)
-        if md.all_greedy:
-            return greedy
-
-        random = exponential_race(sampling_probs(logits, md), md.generators, generator, noise)
-
-        if greedy is None:
-            return random
-        return torch.where(md.temperature < SAMPLING_EPS, greedy, random)
-
 
     @staticmethod
     def draw_noise(
         logits: torch.Tensor, md: SamplingMetadata, generator: torch.Generator | None
     ) -> torch.Tensor | None:
         """The exponential race's ``q`` for this batch (None: all greedy, nothing to draw),
-        drawn now, as ``sample`` would: it depends on no logit, so it can be queued with
+        drawn now, as ``forward`` would: it depends on no logit, so it can be queued with
         the forward pass, ahead of whatever the sampling waits for (a grammar's bitmask)."""
         if md.all_greedy:
             return None

@@ -60,9 +60,10 @@ class Scheduler:
         # Tokens computed for requests that had ended (EOS, stop, abort) before their step
         # came back: the price of scheduling a step while the previous one is in flight.
         self.num_discarded_tokens = 0
-        # Steps scheduled and not yet updated, oldest first, with their requests: a late token
-        # goes to the request it was computed for, never to a new one reusing its id.
-        self._unupdated_steps: deque[tuple[SchedulerOutput, list[Request]]] = deque()
+        # Steps scheduled and not yet updated, oldest first, with their requests and where each
+        # one's chunk starts: a late token goes to the request it was computed for, never to a
+        # new one reusing its id.
+        self._unupdated_steps: deque[tuple[SchedulerOutput, list[tuple[Request, int]]]] = deque()
         # Guided decoding: grammars compile off the step loop; a request joins the waiting
         # queue once its grammar is ready, or fails with the compile's error.
         self.structured_output = structured_output
@@ -157,7 +158,9 @@ class Scheduler:
             self._take_compiled_grammars()
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
         self._finished_since_last_step = set()
-        step = _StepState(budget=self.config.max_num_batched_tokens, encoder_budget=self.encoder_budget)
+        step = _StepState(budget=self.config.max_num_batched_tokens)
+        if self.encoder_cache is not None:
+            self.encoder_cache.begin_step(self.encoder_budget)
         self._schedule_running(out, step)
         # A running request had to give way for KV room: the pool is tight, admit nobody.
         if not out.preempted_req_ids:
@@ -201,7 +204,7 @@ class Scheduler:
             if blocks is None:
                 continue
             if encodes is not None:
-                self._commit_encoder(req, encodes, step)
+                self.encoder_cache.commit(req, encodes)
             step.book(req, num_new, partial, out)
             step.new_block_ids[req.request_id] = [b.block_id for b in blocks]
             num_drafts = req.num_computed_tokens + num_new - req.num_tokens_with_placeholders
@@ -227,7 +230,7 @@ class Scheduler:
                 if self.kv.allocate_slots(req, num_new, lookahead, hits, num_hit_tokens) is not None:
                     self._admit(req, num_hit_tokens, out)
                     if encodes is not None:
-                        self._commit_encoder(req, encodes, step)
+                        self.encoder_cache.commit(req, encodes)
                     step.book(req, num_new, partial, out)
                     continue
             victim = self._victim_for_waiting(req)
@@ -264,7 +267,7 @@ class Scheduler:
         scheduled = []
         for req_id, num_new in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
-            scheduled.append(req)
+            scheduled.append((req, req.num_computed_tokens))
             if req_id not in new_ids:
                 out.scheduled_cached_reqs.append(
                     CachedRequestData(req_id, step.new_block_ids[req_id], req.num_computed_tokens)
@@ -275,85 +278,20 @@ class Scheduler:
                 out.grammar_bitmask = self.structured_output.grammar_bitmask
             if req.reads_output_history:
                 out.needs_previous_tokens = True
-            if req.mm_features:
-                self._assign_encoder_inputs(req, num_new, out, step)
+            if req.mm_features and (images := self.encoder_cache.assign_encodes(req, req.num_computed_tokens, num_new)):
+                out.scheduled_encoder_inputs[req_id] = images
             # Progress is booked at scheduling time; the runner reads the pre-step value.
             req.num_computed_tokens += num_new
             if samples:
                 req.num_output_placeholders += 1
             if req.mm_features:
-                self._release_computed_images(req)
+                self.encoder_cache.release_computed(req)
         if self.encoder_cache is not None:
-            for identifier in step.new_encodes - step.assigned_encodes:
-                self.encoder_cache.forget(identifier)  # its request gave way this step
-            out.free_encoder_identifiers = self.encoder_cache.take_evicted()
+            out.free_encoder_identifiers = self.encoder_cache.end_step()
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.kv_transfers = self.kv.take_transfers()
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
         self._unupdated_steps.append((out, scheduled))
-
-    # ---- the encoder (multimodal requests only) ------------------------------------------
-    def _plan_encoder(self, req: Request, start: int, num_new: int, step: "_StepState") -> tuple[int, list]:
-        """The images the tokens ``[start, start + num_new)`` touch that ``req`` does not hold
-        yet; an image that is not cached and does not fit this step's encoder budget or the
-        cache cuts the chunk short before its first placeholder::
-
-            | computed | text  img img img | img img ...     <- no room to encode this one
-                       ^start              ^ returned num_new ends here
-
-        Returns ``(num_new, images to take)``; nothing changes until ``_commit_encoder``."""
-        cache, end = self.encoder_cache, start + num_new
-        wanted, budget = [], step.encoder_budget
-        room = cache.num_free_slots + cache.num_freeable  # a hit on a freeable entry takes it out
-        for feature in req.mm_features:
-            if feature.offset >= end:
-                break
-            if feature.end <= start or cache.holds(req.request_id, feature.identifier):
-                continue
-            if feature.identifier in cache.freeable:  # a hit that takes room misses could evict
-                if cache.freeable[feature.identifier] > room:
-                    return max(feature.offset - start, 0), wanted
-                room -= cache.freeable[feature.identifier]
-            elif feature.identifier not in cache.sizes:
-                if feature.length > min(budget, room):
-                    return max(feature.offset - start, 0), wanted
-                budget -= feature.length
-                room -= feature.length
-            wanted.append(feature)
-        return num_new, wanted
-
-    def _commit_encoder(self, req: Request, wanted: list, step: "_StepState") -> None:
-        """Take what ``_plan_encoder`` chose: hits hold their cached entries first (so that
-        no miss evicts them), then each miss allocates room (the runner encodes it this step)."""
-        cache = self.encoder_cache
-        misses = [f for f in wanted if not cache.take_ref(req.request_id, f.identifier)]
-        for feature in misses:
-            if not cache.take_ref(req.request_id, feature.identifier):  # else: a copy of an image just allocated
-                cache.allocate(req.request_id, feature.identifier, feature.length)
-                step.encoder_budget -= feature.length
-                step.new_encodes.add(feature.identifier)
-
-    def _assign_encoder_inputs(self, req: Request, num_new: int, out: SchedulerOutput, step: "_StepState") -> None:
-        """Name ``req`` the encoder of each image allocated this step that its tokens touch and
-        nobody encodes yet (the request that allocated it may have given way since)."""
-        start = req.num_computed_tokens
-        for index, feature in enumerate(req.mm_features):
-            identifier = feature.identifier
-            if feature.overlaps(start, start + num_new) and identifier in step.new_encodes:
-                if identifier not in step.assigned_encodes:
-                    step.assigned_encodes.add(identifier)
-                    out.scheduled_encoder_inputs.setdefault(req.request_id, []).append(index)
-
-    def _release_computed_images(self, req: Request) -> None:
-        """``req`` holds an image only while one of its copies is partly computed: an image
-        whose positions are done (or not begun) is released, so that a request never waits
-        for cache room while holding any (an image repeated later is looked up again)."""
-        computed = req.num_computed_tokens
-        in_progress = {f.identifier for f in req.mm_features if f.offset < computed < f.end}
-        for feature in req.mm_features:
-            identifier = feature.identifier
-            if identifier not in in_progress and self.encoder_cache.holds(req.request_id, identifier):
-                self.encoder_cache.release(req.request_id, identifier)
 
     def _plan_chunk(self, req: Request, num_computed: int, step: "_StepState", num_drafts: int = 0):
         """``(num_new, images to encode, partial)`` for ``req``'s tokens from ``num_computed``
@@ -365,11 +303,11 @@ class Scheduler:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         encodes = None
         if req.mm_features:
-            num_new, encodes = self._plan_encoder(req, num_computed, num_new, step)
+            num_new, encodes = self.encoder_cache.plan(req, num_computed, num_new)
             if num_new == 0:
                 return None
         partial = num_computed + num_new < req.num_tokens_with_placeholders
-        if partial and step.num_partial >= self.config.max_num_partial_prefills:
+        if partial and len(step.partial_ids) >= self.config.max_num_partial_prefills:
             return None
         return num_new, encodes, partial
 
@@ -501,13 +439,13 @@ class Scheduler:
         index = {req_id: i for i, req_id in enumerate(runner_out.req_ids)}
         if sched_out.structured_output_request_ids:
             self._advance_grammars(sched_out, runner_out, index)
-        for req in self._scheduled_requests(sched_out):
+        for req, start in self._scheduled_requests(sched_out):
             req_id = req.request_id
             if req.is_finished:  # it ended (EOS, stop, abort) while this step was in flight
                 self.num_discarded_tokens += sched_out.num_scheduled_tokens[req_id]
                 continue
             i = index[req_id]
-            prompt_lps = self._unreported_prompt_logprobs(req, sched_out, runner_out.prompt_logprobs.get(req_id))
+            prompt_lps = self._unreported_prompt_logprobs(req, start, runner_out.prompt_logprobs.get(req_id))
             # A step that did not reach the end of the request (a prefill chunk) sampled
             # nothing: with async scheduling its placeholder belongs to the step after it,
             # which the runner's empty list for this one tells apart.
@@ -542,9 +480,7 @@ class Scheduler:
         return outputs, finished
 
     @staticmethod
-    def _unreported_prompt_logprobs(
-        req: Request, sched_out: SchedulerOutput, prompt_lps: LogprobsLists | None
-    ) -> LogprobsLists | None:
+    def _unreported_prompt_logprobs(req: Request, start: int, prompt_lps: LogprobsLists | None) -> LogprobsLists | None:
         """The rows of ``prompt_lps`` for prompt positions not reported yet. A chunk starting
         at ``start`` scores positions ``start+1 ..``; recomputed after a preemption, a request
         scores from position 1 again::
@@ -554,14 +490,13 @@ class Scheduler:
         """
         if prompt_lps is None:
             return None
-        start = _chunk_start(sched_out, req.request_id)
         num_seen = req.num_prompt_logprobs_reported - start
         req.num_prompt_logprobs_reported = max(req.num_prompt_logprobs_reported, start + len(prompt_lps.ranks))
         return None if num_seen >= len(prompt_lps.ranks) else prompt_lps.skip(num_seen)
 
-    def _scheduled_requests(self, sched_out: SchedulerOutput) -> list[Request]:
-        """The requests ``schedule()`` gave ``sched_out`` (steps before it that were never
-        updated are forgotten)."""
+    def _scheduled_requests(self, sched_out: SchedulerOutput) -> list[tuple[Request, int]]:
+        """The requests ``schedule()`` gave ``sched_out``, with their computed tokens then
+        (steps before it that were never updated are forgotten)."""
         while self._unupdated_steps:
             out, requests = self._unupdated_steps.popleft()
             if out is sched_out:
@@ -638,19 +573,13 @@ class _StepState:
     """What one ``schedule()`` call has handed out so far."""
 
     budget: int
-    encoder_budget: int = 0
-    num_partial: int = 0
-    partial_ids: set[str] = field(default_factory=set)
+    partial_ids: set[str] = field(default_factory=set)  # unfinished prefills booked
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
-    # Images allocated in the encoder cache this step, and those a booked request encodes.
-    new_encodes: set[str] = field(default_factory=set)
-    assigned_encodes: set[str] = field(default_factory=set)
 
     def book(self, req: Request, num_new: int, partial: bool, out: SchedulerOutput) -> None:
         out.num_scheduled_tokens[req.request_id] = num_new
         self.budget -= num_new
         if partial:
-            self.num_partial += 1
             self.partial_ids.add(req.request_id)
 
     def unbook(self, req: Request, out: SchedulerOutput) -> None:
@@ -658,18 +587,8 @@ class _StepState:
         self.budget += out.num_scheduled_tokens.pop(req.request_id, 0)
         out.scheduled_spec_decode_tokens.pop(req.request_id, None)
         self.new_block_ids.pop(req.request_id, None)
-        if req.request_id in self.partial_ids:
-            self.partial_ids.discard(req.request_id)
-            self.num_partial -= 1
+        self.partial_ids.discard(req.request_id)
         out.scheduled_new_reqs = [r for r in out.scheduled_new_reqs if r.req_id != req.request_id]
-
-
-def _chunk_start(sched_out: SchedulerOutput, req_id: str) -> int:
-    """The request's computed tokens when ``sched_out`` was scheduled: where its chunk starts."""
-    for data in (*sched_out.scheduled_new_reqs, *sched_out.scheduled_cached_reqs):
-        if data.req_id == req_id:
-            return data.num_computed_tokens
-    raise AssertionError(f"{req_id} has prompt logprobs from a step that did not schedule it")
 
 
 def _core_output(

@@ -54,30 +54,19 @@ class SpeculativeConfig:
         method = raw.get("method")
         if not isinstance(method, str) or not method:
             raise ValueError(f"speculative_config.method must name a proposer (e.g. 'ngram', 'eagle'), got {method!r}")
-        k = raw.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
+        _check_positive_int("num_speculative_tokens", raw.get("num_speculative_tokens"))
         for name in ("prompt_lookup_max", "prompt_lookup_min"):
-            value = raw.get(name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+            if raw.get(name) is not None:
+                _check_positive_int(name, raw[name])
         model = raw.get("model")
         if model is not None and not isinstance(model, str):
             raise ValueError(f"speculative_config.model must be a path, got {model!r}")
-        adaptive = {key: raw[key] for key in ("adaptive", "backoff_after", "max_backoff_steps") if key in raw}
-        if not isinstance(adaptive.get("adaptive", True), bool):
-            raise ValueError(f"speculative_config.adaptive must be true or false, got {adaptive['adaptive']!r}")
+        if not isinstance(raw.get("adaptive", True), bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {raw['adaptive']!r}")
         for name in ("backoff_after", "max_backoff_steps"):
-            value = adaptive.get(name, 1)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+            _check_positive_int(name, raw.get(name, 1))
         return cls(
-            method=method,
-            num_speculative_tokens=k,
-            prompt_lookup_max=raw.get("prompt_lookup_max"),
-            prompt_lookup_min=raw.get("prompt_lookup_min"),
-            model=model,
-            **adaptive,
+            **{key: raw[key] for key in _KNOWN if key in raw},
             options={key: value for key, value in raw.items() if key not in _KNOWN},
         )
 
@@ -88,3 +77,8 @@ class SpeculativeConfig:
             f"{self.method}(k={self.num_speculative_tokens}, backoff after {self.backoff_after} misses, "
             f"up to {self.max_backoff_steps} steps)"
         )
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")

@@ -29,7 +29,7 @@ class CPUTier(KVOffloadTier):
     def __init__(self, num_blocks: int, block_size: int, block_bytes: int, cost: SwapCost) -> None:
         self.block_size = block_size
         self.cost = cost
-        self.pool = BlockPool(num_blocks, enable_caching=True)
+        self.pool = BlockPool(num_blocks)
         # request id -> (its tier blocks in order, how many tokens they hold)
         self.swapped: dict[str, tuple[list[KVCacheBlock], int]] = {}
         self._transfers = KVTransfers()
