@@ -123,7 +123,7 @@ def test_swap_space_sizes_the_tier_in_gib(llama_dir):
     _, core = generate(llama_dir, prompts=PROMPTS[:1], swap_space=0.001)
     block_bytes = core.kv_cache_manager.offload.stats().block_bytes
     assert core.num_cpu_blocks == int(0.001 * 2**30 // block_bytes) > 0
-    assert core.runner.kv_copier.cpu_caches[0].shape[0] == core.num_cpu_blocks
+    assert core.runner.kv_copier.cpu_cache.shape[0] == core.num_cpu_blocks
 
 
 def test_no_tier_means_no_transfers_and_no_copier(llama_dir):
@@ -381,7 +381,7 @@ def test_swap_and_spill_on_cuda_give_the_unpreempted_tokens_without_host_syncs(l
     del llm
     llm = LLM(str(llama_dir), num_kv_blocks=30, num_cpu_blocks=256, preemption_mode="swap", **args)
     core = llm.engine.core
-    assert core.async_scheduling and core.runner.kv_copier.cpu_caches[0].is_pinned()
+    assert core.async_scheduling and core.runner.kv_copier.cpu_cache.is_pinned()
     with forbid_host_sync():
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == plain
@@ -409,3 +409,37 @@ def test_bench_offload_chat_reports_a_higher_prefix_hit_rate_with_the_tier(llama
     assert (without["run"], with_tier["run"]) == ("no tier", "cpu tier")
     assert with_tier["prefix_hit_rate"] > without["prefix_hit_rate"]
     assert with_tier["tier_hit_blocks"] > 0 == without["tier_hit_blocks"]
+
+
+@pytest.mark.parametrize("block_dim", [0, 1], ids=["blocks-first", "kv-first"])
+def test_copier_batches_and_runs_move_every_layer_block_exactly(block_dim, monkeypatch):
+    """The copier stages a few blocks at a time (here 3: runs of consecutive tier blocks get
+    split across batches) and copies all layers of a run at once: swapping blocks out, wiping
+    the GPU cache, and swapping them into other GPU blocks gives every layer's KV back."""
+    import torch
+
+    import pagelm.plugins.kv_offload.copier as copier_mod
+    from pagelm.kv_offload import KVTransfers
+
+    shape = [10, 3, 4, 5] if block_dim == 0 else [2, 10, 4, 5]  # 10 blocks: first, or after K/V
+    caches = [torch.randn(shape) for _ in range(3)]
+    block = caches[0].select(block_dim, 0)
+    monkeypatch.setattr(copier_mod, "STAGING_BYTES", 3 * len(caches) * block.numel() * block.element_size())
+    copier = copier_mod.CPUCopier(12, caches, block_dim)
+    assert copier.blocks_per_batch == 3 and copier.cpu_cache.shape[:2] == (12, 3)
+    gpu_blocks, tier_blocks = [7, 1, 2, 3, 9, 0, 4], [0, 1, 2, 3, 4, 8, 10]  # runs 0-4 and 8, 10 alone
+    want = [c.index_select(block_dim, torch.tensor(gpu_blocks)).clone() for c in caches]
+
+    class Step:
+        def __init__(self, transfers):
+            self.kv_transfers = transfers
+
+    copier.before_step(Step(KVTransfers(swap_out=list(zip(gpu_blocks, tier_blocks)))))
+    for c in caches:
+        c.zero_()
+    back = [5, 6, 8, 0, 1, 2, 3]
+    copier.before_step(Step(KVTransfers(swap_in=list(zip(tier_blocks, back)))))
+    for c, w in zip(caches, want):
+        assert torch.equal(c.index_select(block_dim, torch.tensor(back)), w)
+    untouched = sorted(set(range(10)) - set(back))
+    assert all(c.index_select(block_dim, torch.tensor(untouched)).abs().sum() == 0 for c in caches)

@@ -1,8 +1,8 @@
 """The CPU tier's memory and copies on one rank.
 
-The tier is one host tensor per layer, block-major (``[num_blocks, ...]`` whatever the GPU
-layout, so that a block is one contiguous run of bytes), pinned when the GPU cache is on
-CUDA. On the CPU the two tiers are two tensors and a copy is an ``index_copy_``.
+The tier is one host tensor for all layers, block-major (``[num_blocks, num_layers, ...]``
+whatever the GPU layout, so that a block is one contiguous run of bytes), pinned when the GPU
+cache is on CUDA. On the CPU the two tiers are two tensors and the copies take the same path.
 
 On CUDA every copy runs on a side stream, in step order. A step's copies start once the
 steps before it have been queued (they may still be writing the KV a swap-out reads), and
@@ -24,17 +24,29 @@ from pagelm.kv_offload import KVCopier, KVTransfers
 from pagelm.sched.output import SchedulerOutput
 
 
+# What one batch of copies stages on the device at most (a run of blocks longer than this is
+# split): the staging buffer is allocated per batch, outside the KV cache's memory budget.
+STAGING_BYTES = 64 << 20
+
+
 class CPUCopier(KVCopier):
     def __init__(self, num_blocks: int, kv_caches: list[torch.Tensor], block_dim: int) -> None:
         self.gpu_caches = kv_caches
         self.block_dim = block_dim
         self.device = kv_caches[0].device
         cuda = self.device.type == "cuda"
-        self.cpu_caches = []
-        for cache in kv_caches:
-            shape = (num_blocks, *(n for d, n in enumerate(cache.shape) if d != block_dim))
-            # Uninitialised: a tier block is read only after a copy has written it.
-            self.cpu_caches.append(torch.empty(shape, dtype=cache.dtype, pin_memory=cuda))
+        layer_shape = tuple(n for d, n in enumerate(kv_caches[0].shape) if d != block_dim)
+        for cache in kv_caches[1:]:
+            if cache.dtype != kv_caches[0].dtype or tuple(n for d, n in enumerate(cache.shape) if d != block_dim) != layer_shape:
+                raise ValueError("the CPU tier needs every layer's KV cache to have one shape and dtype")
+        # One host tensor for every layer, block-major: a block's KV of all layers is one
+        # contiguous run of bytes, so a run of consecutive tier blocks is one copy however
+        # many layers there are (one copy per layer and block cost more host time than the
+        # prefill a tier hit saves). Uninitialised: a tier block is read only after a copy
+        # has written it.
+        self.cpu_cache = torch.empty((num_blocks, len(kv_caches), *layer_shape), dtype=kv_caches[0].dtype, pin_memory=cuda)
+        block_bytes = self.cpu_cache[0].numel() * self.cpu_cache.element_size()
+        self.blocks_per_batch = max(1, STAGING_BYTES // block_bytes)
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.copied = torch.cuda.Event() if cuda else None
         # GPU blocks read by queued swap-outs that no forward pass has waited for yet.
@@ -64,38 +76,30 @@ class CPUCopier(KVCopier):
         self._unwaited.clear()
 
     def _copy(self, transfers: KVTransfers) -> None:
-        if transfers.swap_out:
-            gpu_ids, cpu_ids = zip(*transfers.swap_out)
+        """Each batch of blocks goes through a device staging buffer ``[blocks, layers, ...]``:
+        one gather (or scatter) kernel per layer on the device side, one copy per run of
+        consecutive tier blocks on the host side."""
+        n = self.blocks_per_batch
+        for i in range(0, len(transfers.swap_out), n):
+            gpu_ids, cpu_ids = zip(*transfers.swap_out[i : i + n])
             src = self._index(gpu_ids)
-            for gpu, cpu in zip(self.gpu_caches, self.cpu_caches):
-                self._to_host(gpu.index_select(self.block_dim, src).movedim(self.block_dim, 0), cpu, cpu_ids)
-        if transfers.swap_in:
-            cpu_ids, gpu_ids = zip(*transfers.swap_in)
+            staged = torch.stack([c.index_select(self.block_dim, src).movedim(self.block_dim, 0) for c in self.gpu_caches], 1)
+            for a, b, first in _runs(cpu_ids):
+                self.cpu_cache[first : first + b - a].copy_(staged[a:b], non_blocking=True)
+        for i in range(0, len(transfers.swap_in), n):
+            cpu_ids, gpu_ids = zip(*transfers.swap_in[i : i + n])
+            staged = torch.empty((len(cpu_ids), *self.cpu_cache.shape[1:]), dtype=self.cpu_cache.dtype, device=self.device)
+            for a, b, first in _runs(cpu_ids):
+                staged[a:b].copy_(self.cpu_cache[first : first + b - a], non_blocking=True)
             dst = self._index(gpu_ids)
-            for gpu, cpu in zip(self.gpu_caches, self.cpu_caches):
-                gpu.index_copy_(self.block_dim, dst, self._from_host(cpu, cpu_ids).movedim(0, self.block_dim))
+            for layer, cache in enumerate(self.gpu_caches):
+                cache.index_copy_(self.block_dim, dst, staged[:, layer].movedim(0, self.block_dim))
 
     def _index(self, ids) -> torch.Tensor:
         index = torch.tensor(ids, dtype=torch.long)
         if self.stream is None:
             return index
         return index.pin_memory().to(self.device, non_blocking=True)
-
-    def _to_host(self, blocks: torch.Tensor, cpu: torch.Tensor, cpu_ids) -> None:
-        if self.stream is None:
-            cpu.index_copy_(0, torch.tensor(cpu_ids, dtype=torch.long), blocks)
-            return
-        blocks = blocks.contiguous()
-        for i, j, first in _runs(cpu_ids):  # one async copy per run of consecutive tier blocks
-            cpu[first : first + j - i].copy_(blocks[i:j], non_blocking=True)
-
-    def _from_host(self, cpu: torch.Tensor, cpu_ids) -> torch.Tensor:
-        if self.stream is None:
-            return cpu.index_select(0, torch.tensor(cpu_ids, dtype=torch.long))
-        blocks = torch.empty((len(cpu_ids), *cpu.shape[1:]), dtype=cpu.dtype, device=self.device)
-        for i, j, first in _runs(cpu_ids):
-            blocks[i:j].copy_(cpu[first : first + j - i], non_blocking=True)
-        return blocks
 
 
 def _runs(ids) -> list[tuple[int, int, int]]:
