@@ -153,10 +153,12 @@ class EngineCore:
         config = self.config
         executor_cls = plugins.executors().get(config.executor_backend)
         problems = executor_cls.validate(config)
-        if config.pipeline_parallel_size > 1 and proposer_cls is not None:
+        if config.pipeline_parallel_size > 1 and proposer_cls is not None and proposer_cls.uses_target_pass:
+            # Its head reads the last stage's hidden states and the first stage's embedding.
             problems.append(
                 f"speculative_config (method={config.speculative.method!r}) does not run under pipeline parallelism "
-                f"yet (pipeline_parallel_size={config.pipeline_parallel_size}); it does under tensor parallelism"
+                f"yet (pipeline_parallel_size={config.pipeline_parallel_size}); 'ngram' does, and it does under "
+                "tensor parallelism"
             )
         if config.pipeline_parallel_size > 1 and config.async_scheduling:
             problems.append("async_scheduling does not run under pipeline parallelism yet")

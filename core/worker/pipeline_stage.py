@@ -71,6 +71,23 @@ class PipelineStage:
             sampled = torch.empty(num_reqs, dtype=torch.long, device=self.device)
         return broadcast_from_last_stage(sampled.long())
 
+    def share_verified(self, token_ids: list[list[int]] | None, num_drafts: list[int]) -> list[list[int]]:
+        """The last stage's verified tokens of a step verifying drafts (``token_ids`` there,
+        None elsewhere: per request its accepted drafts then the target's token) on every
+        rank. They travel as ``[requests, 1 + most drafts]`` padded with -1, a shape every
+        rank knows from the step's drafts. The step is launched and verified at once, so its
+        send (the last one queued) has reached the next stage once the broadcast is back."""
+        width = 1 + max(num_drafts, default=0)
+        rows = torch.full((len(num_drafts), width), -1, dtype=torch.long)
+        if token_ids is not None:
+            for i, tokens in enumerate(token_ids):
+                rows[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        rows = broadcast_from_last_stage(rows.to(self.device)).tolist()
+        if self._sends:
+            for work, _ in self._sends.pop():
+                work.wait()
+        return [[t for t in row if t >= 0] for row in rows]
+
     def share_logprobs(
         self, logprobs: LogprobsTensors | None, num_reqs: int, k: int | None,
         prompt_logprobs: dict[str, LogprobsTensors], prompt_rows: list[tuple[str, int, int]],
