@@ -252,3 +252,18 @@ def test_ngram_drafts_under_pp2_give_the_one_stage_tokens(llama_dir):
     assert _logprobs_of(got) == _logprobs_of(want)
     assert sum(o.metrics.spec_num_draft_tokens for o in got) > 0
     assert sum(o.metrics.spec_num_accepted_tokens for o in got) > 0
+
+
+def test_async_scheduling_under_pp2_equals_the_plain_run(llama_dir):
+    # Under PP the micro-batches in flight are the run-ahead: async_scheduling=True is taken
+    # (with n-gram drafts, chunked prefill and preemption beside it) and the tokens are the plain run's.
+    prompts = REPEATING + _prompts(3, length=9)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = _run(llama_dir, prompts, params)
+    with LLM(str(llama_dir), dtype="float32", pipeline_parallel_size=2, async_scheduling=True, block_size=8,
+             num_kv_blocks=16, max_num_batched_tokens=16, max_model_len=64, speculative_config=NGRAM) as llm:
+        got = _ids(llm, prompts, params)
+        core = llm.engine.core
+        assert core.async_scheduling and core.scheduler.num_preemptions > 0
+        assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks
+    assert got == plain

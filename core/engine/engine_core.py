@@ -160,8 +160,6 @@ class EngineCore:
                 f"yet (pipeline_parallel_size={config.pipeline_parallel_size}); 'ngram' does, and it does under "
                 "tensor parallelism"
             )
-        if config.pipeline_parallel_size > 1 and config.async_scheduling:
-            problems.append("async_scheduling does not run under pipeline parallelism yet")
         raise_problems(f"distributed_executor_backend={config.executor_backend!r}", problems)
         if config.world_size == 1:
             return None
@@ -253,7 +251,8 @@ class EngineCore:
             return False
         if self.config.async_scheduling is not None:
             return self.config.async_scheduling
-        # Pipeline stages hand each step's hidden states on as it runs: one step at a time.
+        # Under pipeline parallelism the micro-batches in flight (``_step_pipelined``) are the
+        # run-ahead: async_scheduling=True is accepted and changes nothing there.
         return use_cuda_graphs and self.config.pipeline_parallel_size == 1
 
     def _max_model_len(self) -> int:
