@@ -228,12 +228,10 @@ class EngineCore:
     def _use_cuda_graphs(self, backend_cls) -> bool:
         """Graphs need CUDA and a graph-safe backend. ``enforce_eager=False`` demands them, so
         a combination that cannot have them is an error rather than a silent fallback."""
-        pipeline = self.config.pipeline_parallel_size > 1  # stages send and receive mid-forward
-        possible = self.device.type == "cuda" and backend_cls.graph_support != GraphSupport.NEVER and not pipeline
+        possible = self.device.type == "cuda" and backend_cls.graph_support != GraphSupport.NEVER
         if self.config.enforce_eager is False and not possible:
             why = "they need a CUDA device" if self.device.type != "cuda" else (
-                "pipeline_parallel_size > 1 runs eagerly" if pipeline
-                else f"attention backend {backend_cls.name!r} is not CUDA-graph safe"
+                f"attention backend {backend_cls.name!r} is not CUDA-graph safe"
             )
             raise ValueError(f"enforce_eager=False asks for CUDA graphs, but {why}; leave enforce_eager unset or True")
         return possible and not self.config.enforce_eager

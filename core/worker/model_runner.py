@@ -241,9 +241,12 @@ class ModelRunner:
         self.cuda_graphs = CudaGraphRunner(
             self.model, self.buffers, self.metadata_builder, sizes, self.max_model_len, self.block_size,
             variants=self.metadata_builder.cudagraph_variants(self.config), position_offsets=self.position_rows > 1,
+            stage=self.pipeline,
         )
         pool = self.cuda_graphs.capture()
-        if self.spec is not None:  # graphs of steps verifying drafts, in the same memory pool
+        # Graphs of steps verifying drafts, in the same memory pool (under pipeline
+        # parallelism verification runs eagerly: its graphs hold no stage boundary).
+        if self.spec is not None and self.pipeline is None:
             self.spec.capture_cuda_graphs(self, pool)
 
     # ---- request state -------------------------------------------------------------------
@@ -506,7 +509,13 @@ class ModelRunner:
         the hidden rows ``logits_indices``: drafts and the positions verifying them)."""
         n = step.num_reqs
         if step.graph_size is not None:
-            hidden, logits = self.cuda_graphs.replay(step.graph_size)
+            if self.pipeline is None:
+                hidden, logits = self.cuda_graphs.replay(step.graph_size)
+            else:  # this stage's graph, between the receive and the send
+                out = self.pipeline.replay(self.cuda_graphs, step.graph_size, n)
+                if out is None:  # an earlier stage: the next one has its output
+                    return (None, None) if return_hidden else None
+                hidden, logits = out
             return (logits[:n], hidden[:n]) if return_hidden else logits[:n]
         else:
             attn_metadata = self.metadata_builder.build(step.common)

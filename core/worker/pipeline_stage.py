@@ -61,6 +61,23 @@ class PipelineStage:
         self._sends.append(send_to_next_stage(out))
         return None
 
+    def replay(self, graphs, size: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step through this stage's captured graph of ``size`` (``CudaGraphRunner``
+        with this stage; inputs loaded): the previous stage's ``num_tokens`` real rows
+        received into the graph's persistent input first, its own output's real rows sent on
+        after. The graph's ``(hidden, logits)`` on the last stage, None on the others."""
+        if not self.is_first:
+            recv_from_previous_stage({name: t[:num_tokens] for name, t in graphs.intermediate.items()})
+        hidden, logits = graphs.replay(size)
+        if self.is_last:
+            # Copies: the step is sampled when the engine finishes it, after later steps'
+            # replays have overwritten the graph's outputs.
+            return hidden[:num_tokens].clone(), logits[:num_tokens].clone()
+        # A copy: the graph's output buffers are overwritten by the next replay while the
+        # send may still be reading them.
+        self._sends.append(send_to_next_stage({name: t[:num_tokens].clone() for name, t in hidden.items()}))
+        return None
+
     def share_samples(self, sampled: torch.Tensor | None, num_reqs: int) -> torch.Tensor:
         """The last stage's sampled ids of the oldest step in flight (``sampled`` there, None
         elsewhere) on every rank."""
