@@ -239,15 +239,17 @@ REPEATING = [{"prompt_token_ids": [40, 41, 42, 43, 44] * 6}, {"prompt_token_ids"
              {"prompt_token_ids": [3, 4]}, {"prompt_token_ids": [60, 61, 62] * 5}]
 
 
-def test_ngram_drafts_under_pp2_give_the_one_stage_tokens(llama_dir):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ngram_drafts_under_pp2_give_the_one_stage_tokens(llama_dir, tp):
     # The last stage verifies each step's drafts and broadcasts the accepted tokens; rank 0's
     # proposer drafts from them. Two micro-batches in flight, some steps verifying drafts,
-    # some plain; logprobs of the verified rows reach rank 0.
+    # some plain; logprobs of the verified rows reach rank 0. tp=2: 4 ranks, the last
+    # stage's first rank broadcasts.
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
     kw = dict(dtype="float32", block_size=8)
     with LLM(str(llama_dir), **kw) as llm:
         want = llm.generate(REPEATING, params, use_tqdm=False)
-    with LLM(str(llama_dir), pipeline_parallel_size=2, speculative_config=NGRAM, **kw) as llm:
+    with LLM(str(llama_dir), pipeline_parallel_size=2, tensor_parallel_size=tp, speculative_config=NGRAM, **kw) as llm:
         got = llm.generate(REPEATING, params, use_tqdm=False)
     assert _logprobs_of(got) == _logprobs_of(want)
     assert sum(o.metrics.spec_num_draft_tokens for o in got) > 0
