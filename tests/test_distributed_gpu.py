@@ -1,5 +1,6 @@
 """Scale-out on two GPUs over NCCL: tensor- and pipeline-parallel greedy outputs against the
-one-GPU run. Skipped without two CUDA devices.
+one-GPU run (pipeline parallelism also with each stage's CUDA graphs against one eager GPU).
+Skipped without two CUDA devices.
 
 In float32 on a tiny model every token must be identical. On a real-shape bf16 model (Qwen3
 0.6B's shapes, random weights) pipeline parallelism runs the very same kernels per layer and
@@ -28,9 +29,9 @@ QWEN3_0_6B_SHAPES = dict(
 )
 
 
-def _run(model_dir, dtype, **kw):
+def _run(model_dir, dtype, prompts=PROMPTS, **kw):
     with LLM(str(model_dir), device="cuda", dtype=dtype, gpu_memory_utilization=0.3, **kw) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
 def _first_divergence(a: list[int], b: list[int]) -> int:
@@ -42,6 +43,23 @@ def _first_divergence(a: list[int], b: list[int]) -> int:
 def test_two_gpus_float32_greedy_identical_to_one(make_model, arch, kw):
     model_dir = make_model(f"gpu2_{arch}", arch)
     assert _run(model_dir, "float32", **kw) == _run(model_dir, "float32")
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}],
+                         ids=["plain", "ngram"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_pp2_with_cuda_graphs_greedy_identical_to_one_gpu_eager(make_model, arch, spec):
+    """Each stage replays its captured decode graph between the receive and the send
+    (``PipelineStage.replay``); batches of 1..6 decodes hit several captured sizes, padded."""
+    model_dir = make_model(f"gpu2_{arch}", arch)
+    prompts = PROMPTS + [{"prompt_token_ids": [40, 41, 42, 43] * 5}, {"prompt_token_ids": [9, 8] * 7}]
+    want = _run(model_dir, "float32", prompts=prompts, enforce_eager=True)
+    with LLM(str(model_dir), device="cuda", dtype="float32", gpu_memory_utilization=0.3, pipeline_parallel_size=2,
+             enforce_eager=False, speculative_config=spec) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        graphs = llm.engine.core.runner.cuda_graphs
+        assert graphs is not None and graphs.num_replays > 0  # stage 0's graphs replayed
+    assert got == want
 
 
 def test_real_shape_bf16_pp2_identical_and_tp2_first_divergence(make_model):

@@ -187,13 +187,22 @@ def test_weights_are_assigned_to_stages_by_layer_index():
         ({"pipeline_parallel_size": 3}, "pipeline_parallel_size=3 is more than the model's 2 layers"),
         ({"pipeline_parallel_size": 2, "distributed_executor_backend": "uni"}, "'uni' runs one rank"),
         ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be >= 1"),
-        ({"pipeline_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-         r"speculative_config \(method='ngram'\) does not run under pipeline parallelism yet \(pipeline_parallel_size=2\)"),
     ],
 )
 def test_bad_pipeline_config_is_a_clear_error(llama_dir, kw, match):
     with pytest.raises(Exception, match=match):
         LLM(str(llama_dir), dtype="float32", **kw)
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_proposer_reading_the_target_pass_is_refused(llama_dir, tmp_path):
+    # Medusa (like EAGLE) reads the last stage's hidden states; only n-gram drafts under PP.
+    (tmp_path / "config.json").write_text('{"medusa_num_heads": 2}')
+    (tmp_path / "heads.safetensors").write_bytes(b"")
+    spec = {"method": "medusa", "num_speculative_tokens": 2, "model": str(tmp_path)}
+    match = r"speculative_config \(method='medusa'\) does not run under pipeline parallelism yet \(pipeline_parallel_size=2\)"
+    with pytest.raises(ValueError, match=match):
+        LLM(str(llama_dir), dtype="float32", pipeline_parallel_size=2, speculative_config=spec)
     assert not torch.distributed.is_initialized()
 
 
@@ -223,3 +232,40 @@ def test_guided_decoding_equals_one_stage(llama_dir):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     for out, regex in zip(got, regexes + [regexes[0]]):
         assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+REPEATING = [{"prompt_token_ids": [40, 41, 42, 43, 44] * 6}, {"prompt_token_ids": [7, 8, 9] * 8},
+             {"prompt_token_ids": [3, 4]}, {"prompt_token_ids": [60, 61, 62] * 5}]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ngram_drafts_under_pp2_give_the_one_stage_tokens(llama_dir, tp):
+    # The last stage verifies each step's drafts and broadcasts the accepted tokens; rank 0's
+    # proposer drafts from them. Two micro-batches in flight, some steps verifying drafts,
+    # some plain; logprobs of the verified rows reach rank 0. tp=2: 4 ranks, the last
+    # stage's first rank broadcasts.
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
+    kw = dict(dtype="float32", block_size=8)
+    with LLM(str(llama_dir), **kw) as llm:
+        want = llm.generate(REPEATING, params, use_tqdm=False)
+    with LLM(str(llama_dir), pipeline_parallel_size=2, tensor_parallel_size=tp, speculative_config=NGRAM, **kw) as llm:
+        got = llm.generate(REPEATING, params, use_tqdm=False)
+    assert _logprobs_of(got) == _logprobs_of(want)
+    assert sum(o.metrics.spec_num_draft_tokens for o in got) > 0
+    assert sum(o.metrics.spec_num_accepted_tokens for o in got) > 0
+
+
+def test_async_scheduling_under_pp2_equals_the_plain_run(llama_dir):
+    # Under PP the micro-batches in flight are the run-ahead: async_scheduling=True is taken
+    # (with n-gram drafts, chunked prefill and preemption beside it) and the tokens are the plain run's.
+    prompts = REPEATING + _prompts(3, length=9)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = _run(llama_dir, prompts, params)
+    with LLM(str(llama_dir), dtype="float32", pipeline_parallel_size=2, async_scheduling=True, block_size=8,
+             num_kv_blocks=16, max_num_batched_tokens=16, max_model_len=64, speculative_config=NGRAM) as llm:
+        got = _ids(llm, prompts, params)
+        core = llm.engine.core
+        assert core.async_scheduling and core.scheduler.num_preemptions > 0
+        assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks
+    assert got == plain

@@ -154,13 +154,13 @@ class EngineCore:
         config = self.config
         executor_cls = plugins.executors().get(config.executor_backend)
         problems = executor_cls.validate(config)
-        if config.pipeline_parallel_size > 1 and proposer_cls is not None:
+        if config.pipeline_parallel_size > 1 and proposer_cls is not None and proposer_cls.uses_target_pass:
+            # Its head reads the last stage's hidden states and the first stage's embedding.
             problems.append(
                 f"speculative_config (method={config.speculative.method!r}) does not run under pipeline parallelism "
-                f"yet (pipeline_parallel_size={config.pipeline_parallel_size}); it does under tensor parallelism"
+                f"yet (pipeline_parallel_size={config.pipeline_parallel_size}); 'ngram' does, and it does under "
+                "tensor parallelism"
             )
-        if config.pipeline_parallel_size > 1 and config.async_scheduling:
-            problems.append("async_scheduling does not run under pipeline parallelism yet")
         raise_problems(f"distributed_executor_backend={config.executor_backend!r}", problems)
         if config.world_size == 1:
             return None
@@ -223,12 +223,10 @@ class EngineCore:
     def _use_cuda_graphs(self, backend_cls) -> bool:
         """Graphs need CUDA and a graph-safe backend. ``enforce_eager=False`` demands them, so
         a combination that cannot have them is an error rather than a silent fallback."""
-        pipeline = self.config.pipeline_parallel_size > 1  # stages send and receive mid-forward
-        possible = self.device.type == "cuda" and backend_cls.graph_support != GraphSupport.NEVER and not pipeline
+        possible = self.device.type == "cuda" and backend_cls.graph_support != GraphSupport.NEVER
         if self.config.enforce_eager is False and not possible:
             why = "they need a CUDA device" if self.device.type != "cuda" else (
-                "pipeline_parallel_size > 1 runs eagerly" if pipeline
-                else f"attention backend {backend_cls.name!r} is not CUDA-graph safe"
+                f"attention backend {backend_cls.name!r} is not CUDA-graph safe"
             )
             raise ValueError(f"enforce_eager=False asks for CUDA graphs, but {why}; leave enforce_eager unset or True")
         return possible and not self.config.enforce_eager
@@ -246,7 +244,8 @@ class EngineCore:
             return False
         if self.config.async_scheduling is not None:
             return self.config.async_scheduling
-        # Pipeline stages hand each step's hidden states on as it runs: one step at a time.
+        # Under pipeline parallelism the micro-batches in flight (``_step_pipelined``) are the
+        # run-ahead: async_scheduling=True is accepted and changes nothing there.
         return use_cuda_graphs and self.config.pipeline_parallel_size == 1
 
     def _max_model_len(self) -> int:

@@ -37,6 +37,16 @@ still follow ``positions`` (a decode token past a prompt with images sits at its
 The attention backend's ``build_for_cudagraph`` makes its host-side choices from the batch
 size (and ``q``) alone; ``prepare_cudagraph_replay`` (optional) lets it refresh its own
 buffers per step.
+
+Under pipeline parallelism (``stage``: the runner's ``PipelineStage``) each stage captures its
+own part of the decode step; the sends and receives stay outside the graphs. A stage after
+the first reads the previous stage's output (hidden states and residual) from persistent
+``intermediate`` buffers, which ``PipelineStage.replay`` receives the step's real rows into
+before replaying; a stage before the last ends with its output (those same named tensors,
+the graph's outputs, no logits), whose real rows are copied and sent on::
+
+    stage 0:  staging -> [embed, layers 0..k) -> out{hidden, residual} --send n rows-->
+    stage 1:  --recv n rows--> intermediate{hidden, residual} -> [layers k..L, norm, LM head] -> logits
 """
 
 from __future__ import annotations
@@ -83,8 +93,11 @@ class CudaGraphRunner:
         query_len: int = 1,
         variants: tuple[str, ...] = ("",),
         position_offsets: bool = False,
+        stage=None,
     ) -> None:
         self.model = model
+        # Pipeline parallelism: this rank's PipelineStage (None: the whole model is here).
+        self.stage = stage
         # Graphs per size: the plain one (""), and any the backend asked for (cudagraph_variants).
         self.variants = variants
         self._variant = ""
@@ -118,6 +131,12 @@ class CudaGraphRunner:
         self._builder_prepares = getattr(
             type(builder), "prepare_cudagraph_replay", AttentionMetadataBuilder.prepare_cudagraph_replay
         ) is not AttentionMetadataBuilder.prepare_cudagraph_replay
+        # A stage after the first: the previous stage's output, received before each replay.
+        self.intermediate: dict[str, torch.Tensor] | None = None
+        if stage is not None and not stage.is_first:
+            self.intermediate = model.make_empty_intermediate_tensors(r * q, stage.dtype, device)
+            for t in self.intermediate.values():
+                t.zero_()  # the padding rows are read (and ignored): finite values
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.num_replays = 0
@@ -193,9 +212,10 @@ class CudaGraphRunner:
         previous step sampled, which the host has not seen yet."""
         self.staging_dev.index_copy_(0, index, token_ids)
 
-    def replay(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, size: int) -> tuple:
         """Run the graph for ``size`` (inputs already loaded): ``(hidden, logits)``, one row
-        per query token (``size * q`` rows)."""
+        per query token (``size * q`` rows); on a pipeline stage before the last ``(its
+        output tensors by name, None)``."""
         key = (size, self._variant)
         self.graphs[key].replay()
         self.num_replays += 1
@@ -238,11 +258,19 @@ class CudaGraphRunner:
         shifted = self.positions[: size * q].view(size, q) + deltas[:, None]
         self.rope_positions[: size * q].copy_(shifted.view(-1))
 
-    def _step(self, size: int, md) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, size: int, md) -> tuple:
         self._derive_inputs(size)
         num_tokens = size * self.query_len
         with forward_context(ForwardContext(attn_metadata=md)):
-            hidden = self.model(self.input_ids[:num_tokens], self.rope_positions[:num_tokens])
+            if self.stage is None:
+                hidden = self.model(self.input_ids[:num_tokens], self.rope_positions[:num_tokens])
+            else:
+                inputs = None if self.intermediate is None else {
+                    name: t[:num_tokens] for name, t in self.intermediate.items()
+                }
+                hidden = self.model(self.input_ids[:num_tokens], self.rope_positions[:num_tokens], inputs)
+                if not self.stage.is_last:
+                    return hidden, None
         return hidden, self.model.compute_logits(hidden)
 
     @torch.inference_mode()

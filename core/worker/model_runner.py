@@ -241,9 +241,12 @@ class ModelRunner:
         self.cuda_graphs = CudaGraphRunner(
             self.model, self.buffers, self.metadata_builder, sizes, self.max_model_len, self.block_size,
             variants=self.metadata_builder.cudagraph_variants(self.config), position_offsets=self.position_rows > 1,
+            stage=self.pipeline,
         )
         pool = self.cuda_graphs.capture()
-        if self.spec is not None:  # graphs of steps verifying drafts, in the same memory pool
+        # Graphs of steps verifying drafts, in the same memory pool (under pipeline
+        # parallelism verification runs eagerly: its graphs hold no stage boundary).
+        if self.spec is not None and self.pipeline is None:
             self.spec.capture_cuda_graphs(self, pool)
 
     # ---- request state -------------------------------------------------------------------
@@ -378,7 +381,7 @@ class ModelRunner:
             if constrained:
                 self.apply_grammar(logits, sched, pending.req_ids)
             sampled = self.sampler(logits, md, self.generator, noise)
-        prompt_logprobs = self._prompt_logprobs_tensors(
+        prompt_logprobs = self.prompt_logprobs_tensors(
             pending.states, pending.starts, pending.counts, pending.hidden, _packed_starts(pending.counts)
         )
         pending.copy_to_host(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs)
@@ -390,12 +393,12 @@ class ModelRunner:
         bitmask the step brought) and shares the ids with every rank, and its logprobs with
         rank 0."""
         sampled, prompt_logprobs = None, {}
-        rows = self._prompt_logprobs_rows(pending.states, pending.starts, pending.counts)
+        rows = self.prompt_logprobs_rows(pending.states, pending.starts, pending.counts)
         if logits is not None:
             if pending.sched.structured_output_request_ids:  # the bitmask came with the step
                 self.apply_grammar(logits, pending.sched, pending.req_ids)
             sampled = self.sampler(logits, md, self.generator)
-            prompt_logprobs = self._prompt_logprobs_tensors(
+            prompt_logprobs = self.prompt_logprobs_tensors(
                 pending.states, pending.starts, pending.counts, pending.hidden, _packed_starts(pending.counts)
             )
         num_reqs = len(pending.req_ids)
@@ -506,7 +509,13 @@ class ModelRunner:
         the hidden rows ``logits_indices``: drafts and the positions verifying them)."""
         n = step.num_reqs
         if step.graph_size is not None:
-            hidden, logits = self.cuda_graphs.replay(step.graph_size)
+            if self.pipeline is None:
+                hidden, logits = self.cuda_graphs.replay(step.graph_size)
+            else:  # this stage's graph, between the receive and the send
+                out = self.pipeline.replay(self.cuda_graphs, step.graph_size, n)
+                if out is None:  # an earlier stage: the next one has its output
+                    return (None, None) if return_hidden else None
+                hidden, logits = out
             return (logits[:n], hidden[:n]) if return_hidden else logits[:n]
         else:
             attn_metadata = self.metadata_builder.build(step.common)
@@ -696,11 +705,11 @@ class ModelRunner:
         return StepInputs(num_reqs, num_reqs, common, None, None, True, graph_size)
 
     def prompt_logprobs(self, states, starts, counts, hidden, first_index) -> dict[str, LogprobsLists]:
-        """``_prompt_logprobs_tensors`` on the host (a device read: inside a host sync point)."""
-        tensors = self._prompt_logprobs_tensors(states, starts, counts, hidden, first_index)
+        """``prompt_logprobs_tensors`` on the host (a device read: inside a host sync point)."""
+        tensors = self.prompt_logprobs_tensors(states, starts, counts, hidden, first_index)
         return {req_id: logprobs_lists(t) for req_id, t in tensors.items()}
 
-    def _prompt_logprobs_tensors(self, states, starts, counts, hidden, first_index) -> dict[str, LogprobsTensors]:
+    def prompt_logprobs_tensors(self, states, starts, counts, hidden, first_index) -> dict[str, LogprobsTensors]:
         """Logits at position ``p`` score prompt token ``p + 1``; a chunk ``[c, c+n)`` scores
         prompt tokens ``c+1 .. min(c+n, P-1)``. ``first_index[i]``: the row of ``hidden`` of
         request ``i``'s first token (from the step's own counts: the input buffers' host
@@ -708,14 +717,14 @@ class ModelRunner:
         no host sync."""
         out = {}
         index = {state.req_id: (int(first), state, start) for state, start, first in zip(states, starts, first_index)}
-        for req_id, num, k in self._prompt_logprobs_rows(states, starts, counts):
+        for req_id, num, k in self.prompt_logprobs_rows(states, starts, counts):
             first, state, start = index[req_id]
             logits = self.model.compute_logits(hidden[first : first + num])
             targets = to_device(state.token_ids[start + 1 : start + 1 + num], torch.long, logits.device)
             out[req_id] = chosen_and_top_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, k)
         return out
 
-    def _prompt_logprobs_rows(self, states, starts, counts) -> list[tuple[str, int, int]]:
+    def prompt_logprobs_rows(self, states, starts, counts) -> list[tuple[str, int, int]]:
         """(request, prompt positions scored this step, top tokens) for each request that
         wants prompt logprobs and has positions to score in this step."""
         rows = []

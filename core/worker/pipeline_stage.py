@@ -61,6 +61,23 @@ class PipelineStage:
         self._sends.append(send_to_next_stage(out))
         return None
 
+    def replay(self, graphs, size: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step through this stage's captured graph of ``size`` (``CudaGraphRunner``
+        with this stage; inputs loaded): the previous stage's ``num_tokens`` real rows
+        received into the graph's persistent input first, its own output's real rows sent on
+        after. The graph's ``(hidden, logits)`` on the last stage, None on the others."""
+        if not self.is_first:
+            recv_from_previous_stage({name: t[:num_tokens] for name, t in graphs.intermediate.items()})
+        hidden, logits = graphs.replay(size)
+        if self.is_last:
+            # Copies: the step is sampled when the engine finishes it, after later steps'
+            # replays have overwritten the graph's outputs.
+            return hidden[:num_tokens].clone(), logits[:num_tokens].clone()
+        # A copy: the graph's output buffers are overwritten by the next replay while the
+        # send may still be reading them.
+        self._sends.append(send_to_next_stage({name: t[:num_tokens].clone() for name, t in hidden.items()}))
+        return None
+
     def share_samples(self, sampled: torch.Tensor | None, num_reqs: int) -> torch.Tensor:
         """The last stage's sampled ids of the oldest step in flight (``sampled`` there, None
         elsewhere) on every rank."""
@@ -70,6 +87,23 @@ class PipelineStage:
         if sampled is None:
             sampled = torch.empty(num_reqs, dtype=torch.long, device=self.device)
         return broadcast_from_last_stage(sampled.long())
+
+    def share_verified(self, token_ids: list[list[int]] | None, num_drafts: list[int]) -> list[list[int]]:
+        """The last stage's verified tokens of a step verifying drafts (``token_ids`` there,
+        None elsewhere: per request its accepted drafts then the target's token) on every
+        rank. They travel as ``[requests, 1 + most drafts]`` padded with -1, a shape every
+        rank knows from the step's drafts. The step is launched and verified at once, so its
+        send (the last one queued) has reached the next stage once the broadcast is back."""
+        width = 1 + max(num_drafts, default=0)
+        rows = torch.full((len(num_drafts), width), -1, dtype=torch.long)
+        if token_ids is not None:
+            for i, tokens in enumerate(token_ids):
+                rows[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        rows = broadcast_from_last_stage(rows.to(self.device)).tolist()
+        if self._sends:
+            for work, _ in self._sends.pop():
+                work.wait()
+        return [[t for t in row if t >= 0] for row in rows]
 
     def share_logprobs(
         self, logprobs: LogprobsTensors | None, num_reqs: int, k: int | None,

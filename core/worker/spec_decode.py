@@ -47,6 +47,7 @@ from pagelm.spec_decode.proposer import (
 )
 from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner, capture_sizes
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
+from pagelm.worker.pending_step import logprobs_lists
 from pagelm.worker.sampling_inputs import build_sampling_metadata
 from pagelm.worker.step_state import host_sync_point
 
@@ -182,17 +183,23 @@ class SpecDecodeRunner:
             hidden, logits = hidden[: step.num_tokens], logits[index]
         else:
             logits, hidden = runner.compute_logits(step, return_hidden=True, logits_indices=index)
-        if sched.structured_output_request_ids:
+        if sched.structured_output_request_ids and logits is not None:
             # A guided request's 1 + d rows from row_start: what its grammar allows after each
             # prefix of its drafts. The rejection sampler then verifies against masked logits.
             runner.apply_grammar(logits, sched, req_ids, rows_of=row_start.tolist())
         with host_sync_point():  # the verified tokens (and logprobs) come to the host
-            verified = self.rejection_sampler(logits, md, [list(d) for d in drafts], runner.generator)
-            prompt_logprobs = runner.prompt_logprobs(states, starts, counts, hidden, first_token_index(step, counts_np))
-            logprobs = _split_logprobs(verified.logprobs, states, row_start, verified.token_ids, runner.vocab_size)
+            if runner.pipeline is None:
+                verified = self.rejection_sampler(logits, md, [list(d) for d in drafts], runner.generator)
+                token_ids, logprobs_t = verified.token_ids, verified.logprobs
+                prompt_logprobs = runner.prompt_logprobs(states, starts, counts, hidden, first_token_index(step, counts_np))
+            else:
+                token_ids, logprobs_t, prompt_logprobs = self._verify_pipelined(
+                    runner, logits, md, drafts, states, starts, counts, hidden, first_token_index(step, counts_np)
+                )
+            logprobs = _split_logprobs(logprobs_t, states, row_start, token_ids, runner.vocab_size)
 
         out_ids: list[list[int]] = []
-        for state, start, count, tokens in zip(states, starts, counts, verified.token_ids):
+        for state, start, count, tokens in zip(states, starts, counts, token_ids):
             if start + count >= len(state.token_ids):  # reached the end: the sample is real
                 state.token_ids.extend(tokens)
                 state.output_token_ids.extend(tokens)
@@ -203,6 +210,23 @@ class SpecDecodeRunner:
         out = ModelRunnerOutput(req_ids, out_ids, logprobs, prompt_logprobs)
         out.draft_token_ids = self.propose(runner, step, hidden, states, starts, counts, num_drafts, out_ids)
         return out
+
+    def _verify_pipelined(self, runner, logits, md, drafts, states, starts, counts, hidden, first):
+        """Pipeline parallelism: the last stage (``logits`` not None) verifies; its tokens
+        reach every rank and its logprobs and prompt logprobs rank 0 (``PipelineStage``).
+        Returns (token ids per request, logprobs rows or None, prompt logprobs lists)."""
+        verified, prompt_tensors = None, {}
+        if logits is not None:
+            verified = self.rejection_sampler(logits, md, [list(d) for d in drafts], runner.generator)
+            prompt_tensors = runner.prompt_logprobs_tensors(states, starts, counts, hidden, first)
+        token_ids = runner.pipeline.share_verified(
+            None if verified is None else verified.token_ids, [len(d) for d in drafts]
+        )
+        logprobs, prompt_tensors = runner.pipeline.share_logprobs(
+            None if verified is None else verified.logprobs, sum(len(d) + 1 for d in drafts), md.max_num_logprobs,
+            prompt_tensors, runner.prompt_logprobs_rows(states, starts, counts),
+        )
+        return token_ids, logprobs, {r: logprobs_lists(t) for r, t in prompt_tensors.items()}
 
     # ---- proposal ------------------------------------------------------------------------
     def propose(
