@@ -124,9 +124,11 @@ def destroy_distributed() -> None:
     ``torchrun`` script's) is left initialised: only the stage group made here goes.
 
     NCCL's teardown is waited on for at most ``TEARDOWN_TIMEOUT`` seconds: on two H100s both
-    ranks of a TP=2 engine waited forever inside ``destroy_process_group`` (torch 2.11, cause
-    not found yet; an abort hung too), so a shutdown that hangs there gives up on it instead
-    (the process group is left behind; a later engine in this process cannot join one)."""
+    ranks of a TP=2 engine waited forever inside ``destroy_process_group`` (torch 2.11) while
+    CUDA graphs that captured its all-reduce were alive (with ``enforce_eager`` it returned),
+    so the ranks release their graphs first (``ModelRunner.release_cuda_graphs``); a teardown
+    that still hangs is given up on (the process group is left behind; a later engine in this
+    process cannot join one)."""
     global _state, _symm_buffers, _owns_group
     _symm_buffers = None
     if dist.is_initialized():

@@ -144,6 +144,8 @@ class EngineCore:
                 self._on_other_ranks("shutdown")
             except Exception:  # a rank already gone: the executor's shutdown reaps it
                 pass
+            if hasattr(self, "runner"):  # not when loading failed
+                self.runner.release_cuda_graphs()  # before NCCL's teardown, which waits for them
             destroy_distributed()
             self.executor.shutdown()
             self.executor = None

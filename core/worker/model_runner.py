@@ -18,6 +18,7 @@ step, to size the KV pool), ``initialize_kv_cache``, ``capture_cuda_graphs``.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 
@@ -235,6 +236,19 @@ class ModelRunner:
             return 0
         hidden = self.model.get_input_embeddings().weight.shape[-1]
         return self.config.encoder_cache_embeddings * hidden * self.dtype.itemsize
+
+    def release_cuda_graphs(self) -> None:
+        """Drop the captured graphs and let the device finish. Called by every rank before it
+        leaves the process group: on two H100s a TP=2 engine's ``destroy_process_group``
+        never returned while graphs holding NCCL's all-reduce were alive (with
+        ``enforce_eager`` it took 1.5 s)."""
+        self.cuda_graphs = None
+        if self.spec is not None:
+            self.spec.graphs = None
+        if self.device.type == "cuda":
+            gc.collect()  # a graph's memory goes with its last reference
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def capture_cuda_graphs(self) -> None:
         sizes = capture_sizes(self.max_num_reqs, self.config.max_num_batched_tokens)

@@ -99,6 +99,7 @@ def run_worker(
         rank, config.tensor_parallel_size, config.pipeline_parallel_size, init_method, device,
         config.distributed_timeout, not config.disable_custom_all_reduce,
     )
+    runner = None
     try:
         hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
         runner, layers = load_runner(config, hf_config, device, getattr(torch, dtype), frozenset(eos), max_model_len)
@@ -131,6 +132,8 @@ def run_worker(
         logger.exception("pagelm rank %d failed; it stops (rank 0 names it when its next step fails)", rank)
         raise
     finally:
+        if runner is not None:
+            runner.release_cuda_graphs()  # before NCCL's teardown, which waits for them
         destroy_distributed()
 
 
