@@ -23,7 +23,6 @@ KERNELS = {
     "apply_token_bitmask": "apply_token_bitmask(logits, bitmask, rows) in place  (pagelm.sample.bitmask)",
     "exponential_race": "exponential_race(logits, noise, temperature, bitmask) -> ids  (the sampler)",
     "derive_step_inputs": "derive_step_inputs(staging, block_table, input_ids, ...)  (decode graphs)",
-    "one_shot_all_reduce": "one_shot_all_reduce(x, group_name, buffers) -> sum | None (NCCL)  (pagelm.distributed)",
 }
 
 # (plugin manager, its generation, {name: (module, function)}): looked up again when the set

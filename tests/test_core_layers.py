@@ -26,11 +26,11 @@ LAYERS = {
         "pagelm.spec_decode.proposer", "pagelm.spec_decode.config", "pagelm.spec_decode.stats",
         "pagelm.structured_output", "pagelm.worker.output", "pagelm.engine.core_output",
         "pagelm.sample.metadata", "pagelm.kv_cache.block_hash", "pagelm.model_loader", "pagelm.executor",
-        "pagelm.stat_logger", "pagelm.kv_offload", "pagelm.multimodal",
+        "pagelm.distributed", "pagelm.stat_logger",
+        "pagelm.kv_offload", "pagelm.multimodal",
     ],
     2: [
         "pagelm.plugin_manager", "pagelm.kv_cache", "pagelm.sched", "pagelm.sample", "pagelm.kernels",
-        "pagelm.distributed",
         "pagelm.spec_decode",
     ],
     3: ["pagelm.worker"],

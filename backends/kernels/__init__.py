@@ -1,5 +1,4 @@
-"""The built-in kernels behind the core's fused ops, the sampler, the decode graphs (Triton) and
-tensor parallelism's small all-reduces (torch's symmetric memory, ``all_reduce.py``),
+"""The built-in Triton kernels behind the core's fused ops, the sampler and the decode graphs,
 registered by name (``pagelm.kernels``). Importing this plugin does not import Triton:
 each kernel module is imported when its kernel is first called (on CUDA; on the CPU only
 under ``TRITON_INTERPRET=1``, in tests)."""
@@ -16,7 +15,6 @@ _KERNELS = {
     "apply_token_bitmask": "bitmask:apply_token_bitmask_triton",
     "exponential_race": "race:exponential_race_triton",
     "derive_step_inputs": "graph_inputs:derive_step_inputs",
-    "one_shot_all_reduce": "all_reduce:one_shot_all_reduce",
 }
 
 
