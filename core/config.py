@@ -105,7 +105,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     # With data_parallel_size > 1: the registered router that picks each request's replica
-    # (built in: round_robin, least_loaded, prefix_affinity; see pagelm.router).
+    # (built in: round_robin, least_loaded, prefix_affinity; see pagelm.plugins.routers.router).
     data_parallel_router: str = "least_loaded"
     distributed_executor_backend: str | None = None
     distributed_timeout: float = 300.0

@@ -21,6 +21,14 @@ hookimpl = pluggy.HookimplMarker("pagelm")
 # ---------------------------------------------------------------------------------------------
 
 
+@hookspec(historic=True)
+def pagelm_add_plugin_kinds(plugin_manager: Any) -> None:
+    """Called as each plugin is registered (pytest's ``pytest_addhooks``): a plugin that owns a
+    plugin kind of its own adds it with ``plugin_manager.add_kind(kind, hookspecs, hook_name,
+    base)`` (the data-parallel routers, the tool-call parsers); other plugins then register
+    entries of that kind through ``hook_name`` like any other."""
+
+
 @hookspec
 def pagelm_register_attention_backends(registry: "Registry") -> None:
     """Add ``AttentionBackend`` subclasses: ``registry.add(name, backend_cls)``. The name is
@@ -65,21 +73,9 @@ def pagelm_register_executors(registry: "Registry") -> None:
 
 
 @hookspec
-def pagelm_register_routers(registry: "Registry") -> None:
-    """Add data-parallel ``Router`` subclasses: ``registry.add(name, router_cls)``. The name is
-    what ``data_parallel_router=`` selects."""
-
-
-@hookspec
 def pagelm_register_data_parallel(registry: "Registry") -> None:
     """Add the class that runs ``data_parallel_size`` > 1 engine cores behind the one-core
     interface: ``registry.add(name, cls)``. Exactly one may be registered."""
-
-
-@hookspec
-def pagelm_register_tool_parsers(registry: "Registry") -> None:
-    """Add ``ToolParser`` subclasses: ``registry.add(name, parser_cls)``. The name is what
-    ``pagelm serve --tool-call-parser`` selects."""
 
 
 @hookspec

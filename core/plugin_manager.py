@@ -18,7 +18,7 @@ import pluggy
 
 from pagelm import hookspecs
 from pagelm.plugin_api import PLUGIN_API_ATTRIBUTE, PLUGIN_API_VERSION, api_incompatibility, declared_api_version
-from pagelm.registry import PluginError, Registry
+from pagelm.registry import PluginError, Registry, UnknownNameError
 
 logger = logging.getLogger("pagelm")
 
@@ -60,6 +60,9 @@ class PluginManager:
         self.generation = 0
         # Exceptions lifecycle hooks raised (caught by ``notify``), since start.
         self.num_hook_errors = 0
+        # Plugin kinds that plugins own (``add_kind``): kind -> (registration hook, ABC).
+        self.plugin_kinds: dict[str, tuple[str, type | None]] = {}
+        self.pm.hook.pagelm_add_plugin_kinds.call_historic(kwargs={"plugin_manager": self})
 
     # ---- loading -------------------------------------------------------------------------
     def load_entry_points(self, strict: bool = True) -> None:
@@ -107,7 +110,9 @@ class PluginManager:
             ) from exc
 
     def register(self, plugin: Any, name: str | None = None) -> None:
-        """Register an in-process plugin object or module (tests, notebooks)."""
+        """Register an in-process plugin object or module (tests, notebooks). The entry points
+        load first, so that hooks of the plugin kinds they add are known."""
+        self.load_entry_points()
         name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
         self._register(plugin, PluginInfo(name, getattr(plugin, "__name__", repr(plugin)), IN_PROCESS, "-"))
         self.check_pending()
@@ -147,6 +152,14 @@ class PluginManager:
             )
         return declared
 
+    def add_kind(self, kind: str, hookspecs: Any, hook_name: str, base: type | None = None) -> None:
+        """Add plugin kind ``kind`` (from ``pagelm_add_plugin_kinds``): ``hookspecs`` (a module
+        or class) holds its registration hookspec ``hook_name``; entries must subclass ``base``.
+        ``collect(kind)`` answers what is registered."""
+        if kind not in self.plugin_kinds:
+            self.pm.add_hookspecs(hookspecs)
+        self.plugin_kinds[kind] = (hook_name, base)
+
     def check_pending(self) -> None:
         try:
             self.pm.check_pending()
@@ -154,11 +167,16 @@ class PluginManager:
             raise PluginLoadError(f"a pagelm plugin implements an unknown hook: {exc}") from exc
 
     # ---- registries ----------------------------------------------------------------------
-    def _collect(self, kind: str, exclude: list[Any] | None = None) -> Registry:
-        """Call each plugin's registration hook on its own, so that an entry that breaks the
-        contract, or a hook that raises, is an error naming that plugin."""
+    def collect(self, kind: str, exclude: list[Any] | None = None) -> Registry:
+        """What is registered as plugin ``kind`` ("router", ...). Calls each plugin's
+        registration hook on its own, so that an entry that breaks the contract, or a hook
+        that raises, is an error naming that plugin."""
         self.load_entry_points()
-        hook_name, base = _registry_kinds()[kind]
+        kinds = self.kinds()
+        if kind not in kinds:
+            raise UnknownNameError(f"unknown plugin kind {kind!r} (is the plugin that adds it disabled?); "
+                                   f"known: {', '.join(sorted(kinds))}")
+        hook_name, base = kinds[kind]
         registry: Registry = Registry(kind, base=base)
         caller = getattr(self.pm.hook, hook_name)
         if exclude:
@@ -182,54 +200,48 @@ class PluginManager:
         return f"pagelm plugin {plugin_name!r} ({info.module}, from {info.distribution})"
 
     def attention_backends(self) -> Registry:
-        return self._collect("attention backend")
+        return self.collect("attention backend")
 
     def scheduling_policies(self) -> Registry:
-        return self._collect("scheduling policy")
+        return self.collect("scheduling policy")
 
     def structured_output_backends(self) -> Registry:
-        return self._collect("structured output backend")
+        return self.collect("structured output backend")
 
     def proposers(self) -> Registry:
-        return self._collect("speculative proposer")
+        return self.collect("speculative proposer")
 
     def models(self) -> Registry:
-        return self._collect("model architecture")
+        return self.collect("model architecture")
 
     def model_loaders(self) -> Registry:
-        return self._collect("model loader")
+        return self.collect("model loader")
 
     def executors(self) -> Registry:
-        return self._collect("executor")
-
-    def routers(self) -> Registry:
-        return self._collect("router")
+        return self.collect("executor")
 
     def data_parallel(self) -> Registry:
-        return self._collect("data parallel")
-
-    def tool_parsers(self) -> Registry:
-        return self._collect("tool call parser")
+        return self.collect("data parallel")
 
     def stat_loggers(self) -> Registry:
-        return self._collect("stat logger")
+        return self.collect("stat logger")
 
     def kv_offloads(self) -> Registry:
-        return self._collect("kv offload")
+        return self.collect("kv offload")
 
     def cli_commands(self) -> Registry:
-        return self._collect("cli command")
+        return self.collect("cli command")
 
     def kernels(self) -> Registry:
-        return self._collect("kernel")
+        return self.collect("kernel")
 
     def registrations(self, plugin_name: str) -> dict[str, list[str]]:
         """What one loaded plugin registers: ``{kind: [names]}`` (``pagelm plugins``)."""
         plugin = self.pm.get_plugin(plugin_name)
         others = [p for name, p in self.pm.list_name_plugin() if p is not plugin]
         out = {}
-        for kind in _registry_kinds():
-            names = self._collect(kind, exclude=others).names()
+        for kind in self.kinds():
+            names = self.collect(kind, exclude=others).names()
             if names:
                 out[kind] = names
         return out
@@ -250,21 +262,24 @@ class PluginManager:
             except Exception:
                 self.num_hook_errors += 1
                 logger.exception("pagelm plugin %r raised in %s; the engine carries on", impl.plugin_name, hook_name)
+    def kinds(self) -> dict[str, tuple[str, type | None]]:
+        """Plugin kind -> (registration hook, the ABC its entries must subclass): the core's
+        and those plugins added."""
+        self.load_entry_points()
+        return {**_core_kinds(), **self.plugin_kinds}
 
 
-def _registry_kinds() -> dict[str, tuple[str, type | None]]:
-    """Plugin kind -> (registration hook, the ABC its entries must subclass)."""
+def _core_kinds() -> dict[str, tuple[str, type | None]]:
+    """The core's plugin kinds -> (registration hook, the ABC its entries must subclass)."""
     # The contract modules themselves, not their packages (which import the engine parts).
     from pagelm.attention.backend import AttentionBackend
     from pagelm.executor import Executor
     from pagelm.kv_offload import KVOffload
     from pagelm.model_loader import ModelLoader
-    from pagelm.router import Router
     from pagelm.sched.policy import SchedulingPolicy
     from pagelm.spec_decode.proposer import Proposer
     from pagelm.stat_logger import StatLogger
     from pagelm.structured_output import StructuredOutputBackend
-    from pagelm.tool_parser import ToolParser
 
     return {
         "attention backend": ("pagelm_register_attention_backends", AttentionBackend),
@@ -274,9 +289,7 @@ def _registry_kinds() -> dict[str, tuple[str, type | None]]:
         "model architecture": ("pagelm_register_models", None),
         "model loader": ("pagelm_register_model_loaders", ModelLoader),
         "executor": ("pagelm_register_executors", Executor),
-        "router": ("pagelm_register_routers", Router),
         "data parallel": ("pagelm_register_data_parallel", None),
-        "tool call parser": ("pagelm_register_tool_parsers", ToolParser),
         "stat logger": ("pagelm_register_stat_loggers", StatLogger),
         "kv offload": ("pagelm_register_kv_offload", KVOffload),
         "cli command": ("pagelm_register_cli_commands", None),

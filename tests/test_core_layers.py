@@ -26,7 +26,7 @@ LAYERS = {
         "pagelm.spec_decode.proposer", "pagelm.spec_decode.config", "pagelm.spec_decode.stats",
         "pagelm.structured_output", "pagelm.worker.output", "pagelm.engine.core_output",
         "pagelm.sample.metadata", "pagelm.kv_cache.block_hash", "pagelm.model_loader", "pagelm.executor",
-        "pagelm.distributed", "pagelm.tool_parser", "pagelm.stat_logger", "pagelm.router",
+        "pagelm.distributed", "pagelm.stat_logger",
         "pagelm.kv_offload", "pagelm.multimodal",
     ],
     2: [

@@ -14,7 +14,7 @@ from pagelm import LLM, SamplingParams, hookimpl
 from pagelm.engine.async_llm import AsyncLLM
 from pagelm.engine.core_output import EngineStepError
 from pagelm.plugin_manager import get_plugin_manager
-from pagelm.router import Router
+from pagelm.plugins.routers.router import Router
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

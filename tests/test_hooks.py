@@ -1,4 +1,5 @@
-"""Every hook in pagelm.hookspecs is documented in docs/plugins.md and has a test here named
+"""Every hook in pagelm.hookspecs, and every hook a built-in plugin adds with a plugin kind of
+its own, is documented in docs/plugins.md and has a test here named
 ``test_hook_<hook name>`` (datasette's pattern: adding a hook without docs or a test fails)."""
 
 import ast
@@ -7,6 +8,7 @@ import re
 import shutil
 from pathlib import Path
 
+import pluggy
 import pytest
 import torch
 
@@ -14,13 +16,14 @@ from pagelm import LLM, SamplingParams, hookimpl, hookspecs
 from pagelm.backends.torch import TorchAttentionBackend
 from pagelm.models import LlamaForCausalLM
 from pagelm.kernels import KERNELS
-from pagelm.plugin_manager import get_plugin_manager
+from pagelm.plugin_manager import PluginManager, get_plugin_manager
 from pagelm.plugins.policies.fcfs import FCFSPolicy
-from pagelm.registry import UnknownNameError
+from pagelm.registry import PluginError, UnknownNameError
 from pagelm.sched.request_queue import RankedQueue
 
 ROOT = Path(__file__).resolve().parents[1]
-HOOKS = sorted(name for name in vars(hookspecs) if name.startswith("pagelm_"))
+CORE_HOOKS = {name for name in vars(hookspecs) if name.startswith("pagelm_")}
+HOOKS = sorted(CORE_HOOKS | {hook for hook, _ in PluginManager().kinds().values()})
 PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
 
@@ -211,7 +214,7 @@ class CallLines:
 
     @staticmethod
     def parser_class():
-        from pagelm.tool_parser import StreamDelta, ToolCallDelta, ToolParser, make_tool_call_id
+        from pagelm.plugins.tool_parsers.parser import StreamDelta, ToolCallDelta, ToolParser, make_tool_call_id
 
         class CallLinesParser(ToolParser):
             name = "call_lines"
@@ -237,12 +240,57 @@ class CallLines:
         return CallLinesParser
 
 
+class Greeter:
+    """The contract of a plugin kind a test plugin adds (``test_hook_pagelm_add_plugin_kinds``)."""
+
+
+class GreeterSpecs:
+    @pluggy.HookspecMarker("pagelm")
+    def pagelm_register_greeters(self, registry):
+        """Add ``Greeter`` subclasses."""
+
+
+def test_hook_pagelm_add_plugin_kinds():
+    """A plugin adds a kind of its own; another plugin registers an entry of it through the
+    kind's hook, and an entry that is not a subclass of its contract is refused."""
+
+    class Owner:
+        @hookimpl
+        def pagelm_add_plugin_kinds(self, plugin_manager):
+            plugin_manager.add_kind("greeter", GreeterSpecs, "pagelm_register_greeters", Greeter)
+
+    class Hello(Greeter):
+        pass
+
+    class Registers:
+        @hookimpl
+        def pagelm_register_greeters(self, registry):
+            registry.add("hello", Hello)
+
+    pm = PluginManager()
+    with pytest.raises(UnknownNameError, match="unknown plugin kind 'greeter'.*router"):
+        pm.collect("greeter")
+    pm.register(Owner(), name="owner")
+    pm.register(Registers(), name="registers")
+    assert pm.collect("greeter").get("hello") is Hello
+    assert pm.registrations("registers") == {"greeter": ["hello"]}
+
+    class Wrong:
+        @hookimpl
+        def pagelm_register_greeters(self, registry):
+            registry.add("not_a_greeter", int)
+
+    pm.register(Wrong(), name="wrong")
+    with pytest.raises(PluginError, match="'not_a_greeter', which must be a subclass of .*Greeter"):
+        pm.collect("greeter")
+
+
 def test_hook_pagelm_register_tool_parsers(plugin):
     """A third-party tool-call parser: the conformance kit passes it, the server's
     --tool-call-parser finds it by name, and an auto request's output becomes its calls."""
     from pagelm.plugins.server.protocol import ChatCompletionRequest
     from pagelm.plugins.server.tools import ToolCalling
-    from pagelm.testing.conformance import check_tool_parser
+    from pagelm.plugins.tool_parsers.conformance import check_tool_parser
 
     parser_cls = CallLines.parser_class()
 
@@ -264,7 +312,7 @@ def test_hook_pagelm_register_tool_parsers(plugin):
     message, finish_reason = tools.message('CALL get_weather {"city": "Paris"}', "stop")
     assert finish_reason == "tool_calls" and message.content is None
     assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("get_weather", '{"city": "Paris"}')]
-    assert set(get_plugin_manager().tool_parsers().names()) == {"call_lines", "hermes", "llama3_json"}
+    assert set(get_plugin_manager().collect("tool call parser").names()) == {"call_lines", "hermes", "llama3_json"}
     with pytest.raises(UnknownNameError, match="tool call parser 'no-such-format'.*call_lines"):
         ToolCalling(None, "no-such-format")
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagelm.plugins.server.tools import NamedToolCall, RequiredToolCalls
-from pagelm.testing.conformance import _stream_tool_parser, check_tool_parser
-from pagelm.tool_parser import StreamDelta, ToolCallDelta, accumulate
+from pagelm.plugins.tool_parsers.conformance import _stream_tool_parser, check_tool_parser
+from pagelm.plugins.tool_parsers.parser import StreamDelta, ToolCallDelta, accumulate
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 
@@ -101,7 +101,7 @@ def _cuts(text, points):
 def test_any_cut_of_an_output_streams_to_the_whole_text_result(text, points, name):
     from pagelm.plugin_manager import get_plugin_manager
 
-    cls = get_plugin_manager().tool_parsers().get(name)
+    cls = get_plugin_manager().collect("tool call parser").get(name)
     whole = cls(None, []).extract_tool_calls(text)
     assert _key(_stream_tool_parser(cls(None, []), _cuts(text, points))) == _key(whole)
 

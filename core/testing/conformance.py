@@ -1,7 +1,8 @@
 """Conformance checks for plugin authors: plain functions that raise ``AssertionError`` with a
-message saying what broke, for scheduling policies, attention backends, speculative proposers
-and tool-call parsers. Call them from your own tests (what each asserts: ``docs/plugins.md``,
-"Testing: the conformance kit")::
+message saying what broke, for scheduling policies, attention backends and speculative
+proposers (tool-call parsers have theirs in ``pagelm.plugins.tool_parsers.conformance``). Call
+them from your own tests (what each asserts: ``docs/plugins.md``, "Testing: the conformance
+kit")::
 
     from pagelm.testing.conformance import check_scheduling_policy
     def test_my_policy_conforms(tmp_path):
@@ -26,7 +27,6 @@ from pagelm.sched.policy import SchedulingPolicy
 from pagelm.sched.request_queue import RequestQueue
 from pagelm.sched.scheduler import Scheduler
 from pagelm.spec_decode import Proposer
-from pagelm.tool_parser import ExtractedToolCalls, StreamDelta, ToolParser, accumulate
 from pagelm.worker.output import ModelRunnerOutput
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "check_proposer",
     "check_proposer_engine",
     "check_scheduling_policy",
-    "check_tool_parser",
     "paged_metadata",
 ]
 
@@ -539,55 +538,6 @@ def check_proposer_engine(
         "num_accepted_tokens": stats.num_accepted_tokens,
         "mean_acceptance_length": stats.mean_acceptance_length,
     }
-
-
-# =============================================================================================
-# tool-call parsers
-# =============================================================================================
-
-
-def check_tool_parser(
-    name: str, outputs: list[str], tokenizer: Any = None, tools: list[dict[str, Any]] | None = None
-) -> list[ExtractedToolCalls]:
-    """``name`` is a registered ``ToolParser``, and for every output in ``outputs`` (write
-    real ones of your format, malformed and cut-off ones too) its streamed deltas add up to
-    ``extract_tool_calls`` of the whole text, whichever way the text is cut. Returns the
-    whole-text results, for your own assertions on them."""
-    cls = _registered("tool_parsers", name, ToolParser, kind="tool parser")
-    tools = tools or []
-    results = []
-    for text in outputs:
-        whole = cls(tokenizer, tools).extract_tool_calls(text)
-        cuts = [list(text) + [""]] + [[text[:i], text[i:]] for i in range(len(text) + 1)]
-        for pieces in cuts:
-            streamed = _stream_tool_parser(cls(tokenizer, tools), pieces)
-            assert _calls_key(streamed) == _calls_key(whole), (
-                f"{name}: streaming {text!r} in pieces {pieces if len(pieces) == 2 else 'of one character'} "
-                f"gives {_calls_key(streamed)}, the whole text gives {_calls_key(whole)}"
-            )
-        results.append(whole)
-    return results
-
-
-def _stream_tool_parser(parser: ToolParser, pieces: list[str]) -> ExtractedToolCalls:
-    deltas: list[StreamDelta] = []
-    previous = ""
-    for i, piece in enumerate(pieces):
-        delta = parser.extract_tool_calls_streaming(previous, piece, i == len(pieces) - 1)
-        assert isinstance(delta, StreamDelta), f"{parser.name}: streaming must return a StreamDelta, got {delta!r}"
-        deltas.append(delta)
-        previous += piece
-    first = {}
-    for delta in deltas:
-        for call in delta.tool_calls:
-            first.setdefault(call.index, call)
-    assert all(c.id and c.name for c in first.values()), f"{parser.name}: a call's first delta needs its id and name"
-    assert len({c.id for c in first.values()}) == len(first), f"{parser.name}: tool call ids must differ"
-    return accumulate(deltas)
-
-
-def _calls_key(result: ExtractedToolCalls) -> tuple:
-    return result.content, [(c.name, c.arguments) for c in result.tool_calls]
 
 
 def paged_metadata(

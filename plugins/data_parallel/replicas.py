@@ -1,6 +1,6 @@
 """Data parallelism: ``data_parallel_size`` engine cores behind the one-core interface that
 ``LLMEngine`` and ``AsyncLLM`` drive (the ``pagelm_register_data_parallel`` hook), with a
-router plugin (``pagelm.router``) picking the replica of each new request::
+router plugin (``pagelm.plugins.routers.router``) picking the replica of each new request::
 
     add_request(r) --router.route(r, loads)--> replica i    (remembered: r's aborts, stop
     abort / stop by request id ----------------> replica i      strings and outputs are i's)
@@ -26,9 +26,9 @@ from pagelm.engine.core_client import CoreStep, EngineDeadError, next_output
 from pagelm.engine.core_loop import SchedulerStats
 from pagelm.engine.core_output import EngineCoreOutput
 from pagelm.plugin_manager import get_plugin_manager
+from pagelm.plugins.routers.router import ReplicaLoad
 from pagelm.registry import raise_problems
 from pagelm.request import Request
-from pagelm.router import ReplicaLoad
 
 
 def replica_config(config: EngineConfig, index: int) -> EngineConfig:
@@ -43,7 +43,7 @@ def replica_config(config: EngineConfig, index: int) -> EngineConfig:
 class DataParallelCore:
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int], core_factory: Callable[..., Any]) -> None:
         n = config.data_parallel_size
-        router_cls = get_plugin_manager().routers().get(config.data_parallel_router)
+        router_cls = get_plugin_manager().collect("router").get(config.data_parallel_router)
         problems = router_cls.validate(config)
         in_process = not getattr(core_factory, "runs_in_own_process", False)
         if in_process and config.world_size > 1:

@@ -2,7 +2,7 @@
 
 from pagelm import hookimpl
 
-PAGELM_PLUGIN_API = "2.13"
+PAGELM_PLUGIN_API = "2.14"
 
 
 @hookimpl

@@ -6,7 +6,7 @@ import importlib.util
 
 from pagelm import hookimpl
 
-PAGELM_PLUGIN_API = "2.13"
+PAGELM_PLUGIN_API = "2.14"
 
 
 @hookimpl

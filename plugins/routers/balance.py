@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagelm.router import ReplicaLoad, Router
+from pagelm.plugins.routers.router import ReplicaLoad, Router
 
 
 class RoundRobinRouter(Router):

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from pagelm.plugins.routers.balance import least_loaded
-from pagelm.router import ReplicaLoad, Router
+from pagelm.plugins.routers.router import ReplicaLoad, Router
 
 
 class PrefixAffinityRouter(Router):

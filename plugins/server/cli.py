@@ -146,7 +146,7 @@ def _check_tool_args(args: argparse.Namespace) -> None:
         raise SystemExit("pagelm serve: --enable-auto-tool-choice needs --tool-call-parser NAME")
     if args.tool_call_parser:
         try:
-            get_plugin_manager().tool_parsers().get(args.tool_call_parser)
+            get_plugin_manager().collect("tool call parser").get(args.tool_call_parser)
         except UnknownNameError as exc:
             raise SystemExit(f"pagelm serve: --tool-call-parser: {exc}") from None
 

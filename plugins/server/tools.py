@@ -32,6 +32,7 @@ from typing import Any
 
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.server.errors import APIError
+from pagelm.plugins.tool_parsers.parser import StreamDelta, ToolCall, ToolCallDelta, ToolParser, accumulate
 from pagelm.plugins.tool_parsers.streaming_json import PENDING, json_object_at
 from pagelm.plugins.server.protocol import (
     ChatCompletionRequest,
@@ -44,7 +45,6 @@ from pagelm.plugins.server.protocol import (
     FunctionCall,
 )
 from pagelm.sampling_params import GuidedDecodingParams
-from pagelm.tool_parser import StreamDelta, ToolCall, ToolCallDelta, ToolParser, accumulate
 
 # OpenAI's rule for function names.
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -65,9 +65,9 @@ class ToolCalling:
         self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
         self.parser_cls: type[ToolParser] | None = None
         if tool_call_parser is not None:  # an unknown name lists the registered ones
-            self.parser_cls = get_plugin_manager().tool_parsers().get(tool_call_parser)
+            self.parser_cls = get_plugin_manager().collect("tool call parser").get(tool_call_parser)
         if enable_auto_tool_choice and self.parser_cls is None:
-            names = ", ".join(get_plugin_manager().tool_parsers().names())
+            names = ", ".join(get_plugin_manager().collect("tool call parser").names())
             raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser NAME (registered: {names})")
         self.enable_auto_tool_choice = enable_auto_tool_choice
 

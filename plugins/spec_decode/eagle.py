@@ -32,7 +32,7 @@ from pagelm.models.loader import default_dtype, iterate_weights
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 
-PAGELM_PLUGIN_API = "2.13"
+PAGELM_PLUGIN_API = "2.14"
 
 
 class EagleProposer(DraftProposer):

@@ -1,10 +1,18 @@
 """The built-in tool-call parsers (``pagelm serve --tool-call-parser NAME``), registered as a
 plugin like any third party's: ``hermes`` (Hermes 2 Pro, Qwen 2.5 / 3) and ``llama3_json``
-(Llama 3.x JSON tool calling)."""
+(Llama 3.x JSON tool calling). Tool-call parsers are a plugin kind this plugin adds: the
+contract is ``parser.py``, its conformance check ``conformance.py``."""
 
 from pagelm import hookimpl
 
-PAGELM_PLUGIN_API = "2.13"
+PAGELM_PLUGIN_API = "2.14"
+
+
+@hookimpl
+def pagelm_add_plugin_kinds(plugin_manager) -> None:
+    from pagelm.plugins.tool_parsers import parser
+
+    plugin_manager.add_kind("tool call parser", parser, "pagelm_register_tool_parsers", parser.ToolParser)
 
 
 @hookimpl

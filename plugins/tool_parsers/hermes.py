@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 
-from pagelm.tool_parser import StreamDelta, ToolCall, ToolCallDelta, ToolParser
+from pagelm.plugins.tool_parsers.parser import StreamDelta, ToolCall, ToolCallDelta, ToolParser
 
 START, END = "<tool_call>", "</tool_call>"
 

@@ -15,8 +15,8 @@ its closing brace: calls go out whole, one delta each, so no delta is ever taken
 from __future__ import annotations
 
 from pagelm.plugins.tool_parsers.hermes import call_from_object
+from pagelm.plugins.tool_parsers.parser import StreamDelta, ToolCallDelta, ToolParser
 from pagelm.plugins.tool_parsers.streaming_json import PENDING, json_object_at
-from pagelm.tool_parser import StreamDelta, ToolCallDelta, ToolParser
 
 PYTHON_TAG = "<|python_tag|>"
 

@@ -1,6 +1,8 @@
 """The data-parallel router contract: which of the ``data_parallel_size`` engine replicas
 serves a new request (once per request, seeing each replica's load; a request stays on its
 replica). Selected by ``data_parallel_router``; docs/plugins.md, ``pagelm_register_routers``.
+A plugin kind of the ``routers`` plugin, which adds the hook below to the plugin manager (the
+data-parallel plugin asks it for the router that ``data_parallel_router`` names).
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+import pluggy
+
 if TYPE_CHECKING:
     from pagelm.config import EngineConfig
+    from pagelm.registry import Registry
     from pagelm.request import Request
 
 
@@ -43,3 +48,9 @@ class Router(ABC):
 
     def request_finished(self, request_id: str, replica: int) -> None:
         """``request_id`` has left ``replica`` (finished, aborted or failed). Optional."""
+
+
+@pluggy.HookspecMarker("pagelm")
+def pagelm_register_routers(registry: "Registry") -> None:
+    """Add data-parallel ``Router`` subclasses: ``registry.add(name, router_cls)``. The name is
+    what ``data_parallel_router=`` selects."""

@@ -4,8 +4,11 @@ the model's own tool-call format, into content and tool calls (``pagelm serve
 
 One parser object serves one choice of one request. The rule: however the output is cut
 into deltas, they add up (:func:`accumulate`) to ``extract_tool_calls`` of the whole text, so
-a parser never sends what it may have to take back (``check_tool_parser`` in the
-conformance kit checks it at every character boundary).
+a parser never sends what it may have to take back (``check_tool_parser``,
+``pagelm.plugins.tool_parsers.conformance``, checks it at every character boundary).
+
+Tool-call parsers are a plugin kind of the ``tool_parsers`` plugin, which adds the hook below
+to the plugin manager.
 """
 
 from __future__ import annotations
@@ -14,7 +17,12 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import pluggy
+
+if TYPE_CHECKING:
+    from pagelm.registry import Registry
 
 
 def make_tool_call_id() -> str:
@@ -100,3 +108,9 @@ def accumulate(deltas: Iterable[StreamDelta]) -> ExtractedToolCalls:
     if sorted(calls) != list(range(len(calls))):
         raise ValueError(f"tool call indexes must count up from 0, got {sorted(calls)}")
     return ExtractedToolCalls("".join(content) or None, [calls[i] for i in range(len(calls))])
+
+
+@pluggy.HookspecMarker("pagelm")
+def pagelm_register_tool_parsers(registry: "Registry") -> None:
+    """Add ``ToolParser`` subclasses: ``registry.add(name, parser_cls)``. The name is what
+    ``pagelm serve --tool-call-parser`` selects."""
