@@ -37,8 +37,9 @@ launches. A program stores its partials, then adds 1 to its counter (a CTA barri
 every thread's stores are ordered before the release of the atomic); the program that reads
 ``num_splits - 1`` back is the last, sees every partial (acquire), merges them for the
 group's query heads and sets the counter back to 0 for the next launch (the next layer or
-step). Decode attention is so one launch, with nothing to reset from the host: it is safe to
-capture in a CUDA graph. The merge is the same arithmetic, on the same tile shapes, as
+step). So decode attention is one launch, with nothing to reset from the host: it is safe to
+capture in a CUDA graph. (A program that returns early, past its request's query tokens, does
+so in every split of its row, which then never touches its counter.) The merge is the same arithmetic, on the same tile shapes, as
 ``_reduce_splits_kernel``, the separate reduce launch that ``PAGELM_DISABLE_SPLIT_REDUCE_FUSION=1``
 brings back (to compare the two).
 """
