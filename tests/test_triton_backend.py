@@ -187,6 +187,112 @@ def test_half_precision_split_k(dtype):
           min_tokens_per_split=16)
 
 
+# ---- split-K decode in one launch: the last split of a (token, KV head) merges ----------------
+
+
+def decode_batch(seq_lens, num_heads, num_kv_heads, head_dim, dtype, *, query_len=1, block_size=16, seed=0):
+    """A paged cache holding ``seq_lens`` keys per request (shuffled blocks), and the last
+    ``query_len`` positions of each request as the split launch's query tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    tables = [-(-max(s, 1) // block_size) for s in seq_lens]
+    num_blocks = sum(tables) + 2
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(tables)
+    block_table = torch.tensor([[perm.pop() for _ in range(n)] + [0] * (width - n) for n in tables], dtype=torch.int32)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    num_tokens = len(seq_lens) * query_len
+    query = torch.randn(num_tokens, num_heads * head_dim, generator=gen).to(dtype)
+    case = dict(
+        query=query, key_cache=cache[0], value_cache=cache[1], block_table=block_table,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.arange(0, num_tokens + 1, query_len, dtype=torch.int32),
+        decode_req_idx=torch.arange(len(seq_lens), dtype=torch.int32),
+    )
+    return {k: v.to(DEVICE) for k, v in case.items()}
+
+
+def reference_decode(case, num_heads, num_kv_heads, head_dim, query_len):
+    """float32 softmax attention of each query token over the keys up to its position."""
+    group = num_heads // num_kv_heads
+    block_size = case["key_cache"].shape[1]
+    q = case["query"].float().view(-1, num_heads, head_dim)
+    out = torch.zeros_like(q)
+    for r, seq_len in enumerate(case["seq_lens"].tolist()):
+        pos = torch.arange(seq_len, device=DEVICE)
+        slots = case["block_table"][r, pos // block_size].long(), pos % block_size
+        k, v = (case[name][slots].float().repeat_interleave(group, 1) for name in ("key_cache", "value_cache"))
+        for j in range(query_len):
+            visible = seq_len - query_len + j + 1
+            if visible <= 0:
+                continue  # a CUDA-graph padding token: no key, zeros
+            s = torch.einsum("hd,nhd->hn", q[r * query_len + j], k[:visible]) / math.sqrt(head_dim)
+            out[r * query_len + j] = torch.einsum("hn,nhd->hd", s.softmax(-1), v[:visible])
+    return out
+
+
+# (seq_lens, num_heads, num_kv_heads, head_dim, dtype, num_splits, query_len). Decode tiles are
+# 32 keys: 32/33, 64/65, 128/129 keys sit on either side of a tile (and so split) boundary.
+SPLIT_CASES = {
+    "batch1_qwen3_heads_bf16": ([97], 4, 2, 128, torch.bfloat16, 4, 1),
+    "batch5_split_boundaries_group4": ([32, 33, 64, 65, 1], 4, 1, 64, torch.float32, 2, 1),
+    "batch3_mha_head128_more_splits_than_tiles": ([129, 128, 40], 2, 2, 128, torch.float32, 8, 1),
+    "batch2_group3_three_splits_bf16": ([70, 33], 3, 1, 64, torch.bfloat16, 3, 1),
+    "padding_request_without_keys": ([0, 50], 4, 2, 64, torch.float32, 2, 1),
+    "verification_4_tokens": ([70, 33], 4, 2, 64, torch.float32, 4, 4),
+}
+
+
+@pytest.mark.parametrize("case_id", list(SPLIT_CASES))
+def test_split_k_merged_in_kernel_equals_the_reduce_launch(case_id):
+    """One launch (the last split merges) gives exactly the two-launch result, matches a
+    float32 reference, leaves every counter at zero and so runs again (next layer) unchanged."""
+    from pagelm.backends.triton import paged_attention as pa
+
+    seq_lens, num_heads, num_kv_heads, head_dim, dtype, num_splits, query_len = SPLIT_CASES[case_id]
+    shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    rows = len(seq_lens) * query_len
+    scratch = pa.SplitScratch.allocate(rows * num_splits, num_heads, head_dim, DEVICE)
+    for seed in (0, 1):  # two launches on the same scratch: the counters must have reset
+        case = decode_batch(seq_lens, **shape, dtype=dtype, query_len=query_len, seed=seed)
+        outs = {}
+        for fuse in (True, False):
+            outs[fuse] = torch.full_like(case["query"], float("nan"))
+            pa.split_decode_attention(
+                outs[fuse], *case.values(), scratch, num_decodes=len(seq_lens), num_splits=num_splits,
+                scale=1 / math.sqrt(head_dim), sliding_window=None, query_len=query_len, fuse_reduce=fuse, **shape,
+            )
+            assert not scratch.counter.any()
+        assert torch.equal(outs[True], outs[False])
+        ref = reference_decode(case, **shape, query_len=query_len).flatten(1)
+        torch.testing.assert_close(outs[True].float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+class LaunchCounter:
+    """Stands in for a kernel: counts ``kernel[grid](...)`` launches and runs them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["one_launch", "reduce_launch"])
+def test_split_k_decode_launches(fuse, monkeypatch):
+    from pagelm.backends.triton import paged_attention as pa
+
+    monkeypatch.setattr(pa, "SPLIT_REDUCE_FUSION_DISABLED", not fuse)
+    main, reduce = LaunchCounter(pa._paged_attention_kernel), LaunchCounter(pa._reduce_splits_kernel)
+    monkeypatch.setattr(pa, "_paged_attention_kernel", main)
+    monkeypatch.setattr(pa, "_reduce_splits_kernel", reduce)
+    md = check([(120, 1), (70, 1)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, min_tokens_per_split=16)
+    assert md.num_splits > 1 and not md.run_main
+    # The first step (the prompts) is one main launch; the decode step one split launch,
+    # plus the reduce when the merge is not fused.
+    assert (main.launches, reduce.launches) == (2, 0 if fuse else 1)
+
+
 def test_split_count_follows_context_length_and_batch_size():
     builder = TritonMetadataBuilder(DEVICE, target_programs=64)
     assert builder.num_splits(num_decodes=1, max_decode_seq_len=200) == 1  # short: one program is enough
@@ -269,6 +375,24 @@ def test_engine_greedy_tokens_match_with_split_k_decode(llama_dir, torch_tokens,
     monkeypatch.setattr(TritonMetadataBuilder, "min_tokens_per_split", 8)
     assert engine_tokens(llama_dir, "triton", max_num_batched_tokens=16) == torch_tokens
     assert launches and max(kw["num_splits"] for kw in launches) > 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_greedy_tokens_with_split_k_merged_in_kernel_or_not(make_model, arch, monkeypatch):
+    """Split-K decodes (a low split threshold) give the torch backend's greedy tokens with
+    the merge in the split kernel and with the reduce launch (``PAGELM_DISABLE_SPLIT_REDUCE_FUSION``)."""
+    from pagelm.backends.triton import paged_attention as pa
+
+    model_dir = make_model(f"{arch}_split_merge", arch)
+    expected = engine_tokens(model_dir, "torch", max_num_batched_tokens=16)
+    monkeypatch.setattr(TritonMetadataBuilder, "min_tokens_per_split", 8)
+    reduce = LaunchCounter(pa._reduce_splits_kernel)
+    monkeypatch.setattr(pa, "_reduce_splits_kernel", reduce)
+    for fuse in (True, False):
+        monkeypatch.setattr(pa, "SPLIT_REDUCE_FUSION_DISABLED", not fuse)
+        reduce.launches = 0
+        assert engine_tokens(model_dir, "triton", max_num_batched_tokens=16) == expected
+        assert (reduce.launches > 0) != fuse
 
 
 def test_engine_greedy_tokens_match_with_sliding_window(make_model):

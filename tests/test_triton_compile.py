@@ -35,24 +35,32 @@ SCRIPT = textwrap.dedent(
         return compiled
 
     cache = torch.empty(1, 16, 1, 1)  # only its block size is read
-    for dtype, group, head_dim, max_query_len, split in [
-        (torch.bfloat16, 4, 128, 1, True),     # split-K decode, Llama-3-8B heads
-        (torch.bfloat16, 2, 128, 4, True),     # split-K verification of 3 drafts, Qwen3 heads
-        (torch.bfloat16, 4, 128, 512, False),  # prefill
-        (torch.bfloat16, 1, 64, 512, False),   # MHA prefill, head 64
-        (torch.float16, 8, 128, 1, False),     # decode without splits
-        (torch.float32, 2, 64, 512, False),    # exact float32 dot
-        (torch.bfloat16, 2, 256, 512, False),  # largest head size
+    for dtype, group, head_dim, max_query_len, split, fuse_reduce in [
+        (torch.bfloat16, 4, 128, 1, True, True),     # split-K decode merged in-kernel, Llama-3-8B heads
+        (torch.bfloat16, 2, 128, 1, True, True),     # the same, Qwen3-0.6B heads
+        (torch.bfloat16, 4, 128, 1, True, False),    # split-K decode + reduce launch
+        (torch.bfloat16, 2, 128, 4, True, True),     # split-K verification of 3 drafts, Qwen3 heads
+        (torch.float32, 3, 64, 1, True, True),       # in-kernel merge, group not a power of two
+        (torch.bfloat16, 4, 128, 512, False, False), # prefill
+        (torch.bfloat16, 1, 64, 512, False, False),  # MHA prefill, head 64
+        (torch.float16, 8, 128, 1, False, False),    # decode without splits
+        (torch.float32, 2, 64, 512, False, False),   # exact float32 dot
+        (torch.bfloat16, 2, 256, 512, False, False), # largest head size
     ]:
         cfg = pa.tile_config(group, head_dim, max_query_len)
         block_q = 1 if split else cfg.block_m // group
         constexprs = pa._constexprs(group, head_dim, cache, cfg, block_q, dtype, None)
-        constexprs.update(SPLIT=split, SPLIT_Q=max_query_len if split else 1, SKIP_DECODES=not split, USE_PDL=True, launch_pdl=True)
+        constexprs.update(SPLIT=split, SPLIT_Q=max_query_len if split else 1, SKIP_DECODES=not split,
+                          FUSE_REDUCE=fuse_reduce, SPLITS_PAD=32, USE_PDL=True, launch_pdl=True)
         io = dict.fromkeys(["out_ptr", "query_ptr", "key_cache_ptr", "value_cache_ptr"], TYPES[dtype])
         io.update(dict.fromkeys(["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"], "*i32"))
-        io.update(decode_req_idx_ptr="*i32")
+        io.update(decode_req_idx_ptr="*i32", split_counter_ptr="*i32")
         io.update(dict.fromkeys(["partial_m_ptr", "partial_l_ptr", "partial_acc_ptr"], "*fp32"), scale_log2="fp32")
-        compile_kernel(pa._paged_attention_kernel, io, constexprs)
+        compiled = compile_kernel(pa._paged_attention_kernel, io, constexprs)
+        if fuse_reduce:
+            # The merge's release/acquire: a CTA barrier, then one acq_rel atomic at GPU scope.
+            ptx = compiled.asm["ptx"]
+            assert "bar.sync" in ptx and "atom.global.gpu.acq_rel.add" in ptx, ptx[-3000:]
 
     compile_kernel(
         pa._reduce_splits_kernel,

@@ -110,3 +110,94 @@ def test_engine_greedy_tokens_match_torch_backend(make_model):
 
 def test_engine_on_the_tiny_model_matches(llama_dir):
     assert engine_tokens(llama_dir, "triton") == engine_tokens(llama_dir, "torch")
+
+
+# ---- split-K decode merged in the split kernel (one launch) ------------------------------------
+
+QWEN3_06B = dict(num_heads=16, num_kv_heads=8, head_dim=128)
+
+
+def split_decode(out, case, scratch, num_splits, fuse, shape):
+    from pagelm.backends.triton import paged_attention as pa
+
+    pa.split_decode_attention(
+        out, *case.values(), scratch, num_decodes=case["seq_lens"].numel(), num_splits=num_splits,
+        scale=1 / math.sqrt(shape["head_dim"]), sliding_window=None, fuse_reduce=fuse, **shape,
+    )
+
+
+@pytest.mark.parametrize("shape", [QWEN3_06B, dict(num_heads=32, num_kv_heads=8, head_dim=128)], ids=["qwen3_0_6b", "llama_8b"])
+@pytest.mark.parametrize("seq_lens", [[4095], [640], [4095, 1000, 16, 1], [100 + 127 * i for i in range(32)]],
+                         ids=["batch1_4k", "batch1_640", "batch4", "batch32"])
+def test_split_k_merge_in_kernel_is_bit_identical_to_the_reduce_launch(shape, seq_lens):
+    """The last-split merge (atomic counter, acquire/release) gives exactly the reduce launch's
+    bf16 output, launch after launch (a race would show as a stale partial now and then), and
+    leaves every counter at zero."""
+    from pagelm.backends.triton import paged_attention as pa
+    from pagelm.backends.triton.backend import TritonMetadataBuilder
+    from test_triton_backend import decode_batch, reference_decode
+
+    builder = TritonMetadataBuilder(torch.device("cuda"))
+    num_splits = max(2, min(builder.max_splits, builder.target_programs // len(seq_lens)))
+    case = decode_batch(seq_lens, **shape, dtype=torch.bfloat16)
+    scratch = pa.SplitScratch.allocate(len(seq_lens) * num_splits, shape["num_heads"], shape["head_dim"], "cuda")
+    expected = torch.empty_like(case["query"])
+    split_decode(expected, case, scratch, num_splits, False, shape)
+    ref = reference_decode(case, **shape, query_len=1).flatten(1)
+    torch.testing.assert_close(expected.float(), ref, **BF16_TOL)
+    out = torch.empty_like(expected)
+    for _ in range(200):
+        out.fill_(float("nan"))
+        split_decode(out, case, scratch, num_splits, True, shape)
+        assert torch.equal(out, expected)
+    assert not scratch.counter.any()
+
+
+def test_split_k_merge_in_kernel_replays_in_a_cuda_graph():
+    """Captured once at batch 4 with 32 splits, replayed over new queries and lengths written
+    into the captured buffers: each replay equals an eager run with the reduce launch."""
+    from pagelm.backends.triton import paged_attention as pa
+    from test_triton_backend import decode_batch
+
+    shape, num_splits = QWEN3_06B, 32
+    case = decode_batch([4000, 3000, 2000, 1000], **shape, dtype=torch.bfloat16)
+    scratch = pa.SplitScratch.allocate(4 * num_splits, shape["num_heads"], shape["head_dim"], "cuda")
+    out = torch.empty_like(case["query"])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        split_decode(out, case, scratch, num_splits, True, shape)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        split_decode(out, case, scratch, num_splits, True, shape)
+    for seed in range(1, 6):
+        new = decode_batch([4000, 3000, 2000, 1000], **shape, dtype=torch.bfloat16, seed=seed)
+        case["query"].copy_(new["query"])
+        case["seq_lens"].copy_(torch.tensor([4000 - 300 * seed, 17 * seed, 2000, 1], dtype=torch.int32))
+        graph.replay()
+        expected = torch.empty_like(out)
+        split_decode(expected, case, scratch, num_splits, False, shape)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+        assert not scratch.counter.any()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_with_cuda_graphs_same_tokens_with_and_without_the_merge_fusion(make_model, arch, monkeypatch):
+    """bf16 with decode graphs (batch 1 splits 32 ways): greedy tokens with the merge in the
+    split kernel equal those with the reduce launch (PAGELM_DISABLE_SPLIT_REDUCE_FUSION)."""
+    from pagelm.backends.triton import paged_attention as pa
+
+    model_dir = make_model(f"gpu_{arch}_split_merge", arch)
+    prompts = [{"prompt_token_ids": [5 + (7 * i) % 500 for i in range(n)]} for n in (3, 300)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def tokens():
+        llm = LLM(str(model_dir), attention_backend="triton", dtype="bfloat16", device="cuda",
+                  gpu_memory_utilization=0.3)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    fused = tokens()
+    monkeypatch.setattr(pa, "SPLIT_REDUCE_FUSION_DISABLED", True)
+    assert tokens() == fused

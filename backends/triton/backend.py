@@ -1,10 +1,12 @@
 """The ``triton`` attention backend: Triton kernels for the paged KV cache.
 
-Per layer, two or three launches and no host sync: ``store_kv`` scatters this step's K/V
-through ``slot_mapping`` (``rotary_store_kv`` when the model hands its q/k norm and rotary
-over, ``QKRotary``: they run in the same launch); ``paged_attention`` serves every request's query tokens (prefill,
-chunked prefill, decode); when the step has long-context decodes, those instead go through
-``split_decode_attention`` (split-K over the KV sequence, then a reduce). Every host-side
+Per layer, two launches (three when a step mixes prefills with split-K decodes) and no host
+sync: ``store_kv`` scatters this step's K/V through ``slot_mapping`` (``rotary_store_kv``
+when the model hands its q/k norm and rotary over, ``QKRotary``: they run in the same
+launch); ``paged_attention`` serves every request's query tokens (prefill, chunked prefill,
+decode); when the step has long-context decodes, those instead go through
+``split_decode_attention`` (split-K over the KV sequence; the last split program of each
+query token and KV head merges the partials, so it is one launch too). Every host-side
 decision (which requests are decodes, how many splits) is made once per step by the
 metadata builder.
 
@@ -68,8 +70,9 @@ class TritonAttentionMetadata:
 
 
 class ScratchPool:
-    """Split-K partials, allocated once per (num_heads, head_dim) with room for
-    ``max_rows = num_decodes * num_splits`` and reused by every layer and step."""
+    """Split-K partials and merge counters, allocated once per (num_heads, head_dim) with room
+    for ``max_rows = num_decodes * num_splits`` and reused by every layer and step (the
+    layers run one after another on one stream; the counters are zero between launches)."""
 
     def __init__(self, max_rows: int, device: torch.device) -> None:
         self.max_rows = max_rows

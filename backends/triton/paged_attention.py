@@ -28,14 +28,26 @@ batch; the few programs past the end of a request return at once.
 Split-K decode: a decode (query_len 1) at long context is one q-block, so on its own it would
 occupy ``num_kv_heads`` programs. The split launch gives each decode ``num_splits`` programs
 over consecutive ranges of KV tiles; each writes its partial ``(m, l, acc)`` to a scratch
-buffer, and a reduce kernel merges them::
+buffer, and the last of them to finish merges them::
 
     out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,   M = max_s m_s
+
+Each (query token, KV head) has an int32 counter in a persistent buffer, zero between
+launches. A program stores its partials, then adds 1 to its counter (a CTA barrier first, so
+every thread's stores are ordered before the release of the atomic); the program that reads
+``num_splits - 1`` back is the last, sees every partial (acquire), merges them for the
+group's query heads and sets the counter back to 0 for the next launch (the next layer or
+step). So decode attention is one launch, with nothing to reset from the host: it is safe to
+capture in a CUDA graph. (A program that returns early, past its request's query tokens, does
+so in every split of its row, which then never touches its counter.) The merge is the same arithmetic, on the same tile shapes, as
+``_reduce_splits_kernel``, the separate reduce launch that ``PAGELM_DISABLE_SPLIT_REDUCE_FUSION=1``
+brings back (to compare the two).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +55,12 @@ import triton
 import triton.language as tl
 
 from pagelm.backends.kernels.common import allow_next_kernel, pdl_supported, wait_for_previous_kernel
+
+# ``PAGELM_DISABLE_SPLIT_REDUCE_FUSION=1``: split-K decode merges its partials in a second
+# launch (``_reduce_splits_kernel``) instead of in the split kernel's last program.
+SPLIT_REDUCE_FUSION_DISABLED = os.environ.get("PAGELM_DISABLE_SPLIT_REDUCE_FUSION", "0").lower() in (
+    "1", "true", "on", "yes"
+)
 
 
 @triton.jit
@@ -74,6 +92,47 @@ def _dot(a, b, EXACT_FP32: tl.constexpr, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _merge_splits(
+    out_ptr,
+    partial_m_ptr,
+    partial_l_ptr,
+    partial_acc_ptr,
+    decode,  # request * SPLIT_Q + token: the split launch's program id 0
+    head,
+    tok,  # the query token's row in ``out``
+    num_heads,
+    num_splits,
+    stride_out_tok,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    CACHE: tl.constexpr,  # load modifier: ".cg" reads partials other SMs wrote from L2
+):
+    """One query head's output from its ``num_splits`` partials."""
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < num_splits
+    row = (decode * num_splits + splits).to(tl.int64) * num_heads + head
+    m = tl.load(partial_m_ptr + row, mask=split_valid, other=float("-inf"), cache_modifier=CACHE)
+    l = tl.load(partial_l_ptr + row, mask=split_valid, other=0.0, cache_modifier=CACHE)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_valid = dims < HEAD_DIM
+    acc = tl.load(
+        partial_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+        cache_modifier=CACHE,
+    )
+    # Empty splits (m = -inf) get weight 0. Every split is empty only for a padding token of
+    # a CUDA-graph batch (no key at or before its position): it gets zeros, not NaN.
+    m_max = tl.max(m, 0)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    denom = tl.sum(l * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    out_row = tok * stride_out_tok + head * HEAD_DIM
+    tl.store(out_ptr + out_row + dims, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,
     query_ptr,
@@ -86,6 +145,7 @@ def _paged_attention_kernel(
     partial_m_ptr,  # SPLIT: [rows, num_heads] f32, row = decode * num_splits + split
     partial_l_ptr,
     partial_acc_ptr,  # SPLIT: [rows, num_heads, HEAD_DIM] f32
+    split_counter_ptr,  # FUSE_REDUCE: [decodes, num_kv_heads] i32, zero between launches
     num_reqs,
     num_heads,
     num_splits,
@@ -107,6 +167,8 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     SPLIT_Q: tl.constexpr,  # SPLIT: query tokens per request (1 + drafts when verifying)
     SKIP_DECODES: tl.constexpr,  # decodes go through the split launch this step
+    FUSE_REDUCE: tl.constexpr,  # SPLIT: the last program of a (token, KV head) merges
+    SPLITS_PAD: tl.constexpr,  # FUSE_REDUCE: num_splits rounded up to a power of two
     USE_WINDOW: tl.constexpr,
     EXACT_FP32: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -195,6 +257,20 @@ def _paged_attention_kernel(
         tl.store(partial_m_ptr + row, m, mask=row_valid)
         tl.store(partial_l_ptr + row, l, mask=row_valid)
         tl.store(partial_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
+        if FUSE_REDUCE:
+            # Every thread's partials are stored before thread 0's release (the atomic).
+            tl.debug_barrier()
+            counter = split_counter_ptr + pid * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                # The last split of this (token, KV head): the others' partials are visible.
+                tl.store(counter, 0)  # ready for the next launch
+                tok_row = (q_start + q_block_start).to(tl.int64)
+                for g in range(GROUP):
+                    _merge_splits(
+                        out_ptr, partial_m_ptr, partial_l_ptr, partial_acc_ptr, pid, kv_head * GROUP + g,
+                        tok_row, num_heads, num_splits, stride_out_tok,
+                        HEAD_DIM, HEAD_PAD, SPLITS_PAD, ".cg",
+                    )
     else:
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         out_row = (q_start + tok).to(tl.int64) * stride_out_tok + head * HEAD_DIM
@@ -224,26 +300,10 @@ def _reduce_splits_kernel(
     head = tl.program_id(1)
     req = tl.load(decode_req_idx_ptr + decode // SPLIT_Q)
     tok = (tl.load(query_start_loc_ptr + req) + decode % SPLIT_Q).to(tl.int64)
-    splits = tl.arange(0, SPLITS_PAD)
-    split_valid = splits < num_splits
-    row = (decode * num_splits + splits).to(tl.int64) * num_heads + head
-    m = tl.load(partial_m_ptr + row, mask=split_valid, other=float("-inf"))
-    l = tl.load(partial_l_ptr + row, mask=split_valid, other=0.0)
-    dims = tl.arange(0, HEAD_PAD)
-    dim_valid = dims < HEAD_DIM
-    acc = tl.load(
-        partial_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :],
-        mask=split_valid[:, None] & dim_valid[None, :],
-        other=0.0,
+    _merge_splits(
+        out_ptr, partial_m_ptr, partial_l_ptr, partial_acc_ptr, decode, head, tok, num_heads, num_splits,
+        stride_out_tok, HEAD_DIM, HEAD_PAD, SPLITS_PAD, "",
     )
-    # Empty splits (m = -inf) get weight 0. Every split is empty only for a padding token of
-    # a CUDA-graph batch (no key at or before its position): it gets zeros, not NaN.
-    m_max = tl.max(m, 0)
-    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
-    denom = tl.sum(l * weight, 0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-    out_row = tok * stride_out_tok + head * HEAD_DIM
-    tl.store(out_ptr + out_row + dims, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
 # True when the kernels were built for the CPU interpreter (TRITON_INTERPRET=1 at import).
@@ -280,6 +340,9 @@ class SplitScratch:
     m: torch.Tensor  # [max_rows, num_heads]
     l: torch.Tensor  # [max_rows, num_heads]
     acc: torch.Tensor  # [max_rows, num_heads, head_dim]
+    # [max_rows, num_heads] int32: splits finished per (token, KV head); the fused merge
+    # leaves every counter at zero when its launch ends.
+    counter: torch.Tensor
 
     @classmethod
     def allocate(cls, max_rows: int, num_heads: int, head_dim: int, device: torch.device) -> "SplitScratch":
@@ -288,6 +351,7 @@ class SplitScratch:
             torch.empty(max_rows, num_heads, dtype=f32, device=device),
             torch.empty(max_rows, num_heads, dtype=f32, device=device),
             torch.empty(max_rows, num_heads, head_dim, dtype=f32, device=device),
+            torch.zeros(max_rows, num_heads, dtype=torch.int32, device=device),
         )
 
 
@@ -318,7 +382,7 @@ def paged_attention(
     grid = (num_tokens // block_q + num_reqs, num_kv_heads, 1)
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        query_start_loc, out, out, out,  # split-only pointers: unused here
+        query_start_loc, out, out, out, query_start_loc,  # split-only pointers: unused here
         num_reqs, num_heads, 1, scale * math.log2(math.e), sliding_window or 0,
         query.stride(0), out.stride(0), block_table.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -326,6 +390,8 @@ def paged_attention(
         SPLIT=False,
         SPLIT_Q=1,
         SKIP_DECODES=skip_decodes,
+        FUSE_REDUCE=False,
+        SPLITS_PAD=2,
     )
 
 
@@ -348,17 +414,23 @@ def split_decode_attention(
     scale: float,
     sliding_window: int | None,
     query_len: int = 1,
+    fuse_reduce: bool | None = None,
 ) -> None:
-    """Flash-decoding: ``num_splits`` programs per (query token, KV head), then a reduce.
+    """Flash-decoding: ``num_splits`` programs per (query token, KV head), whose partials the
+    last one to finish merges (``fuse_reduce``, by default unless
+    ``PAGELM_DISABLE_SPLIT_REDUCE_FUSION=1``; otherwise a second, reduce launch).
     ``query_len`` tokens per request (> 1: speculative verification, every request with
     exactly that many; token ``j`` sees the keys up to its own position)."""
+    if fuse_reduce is None:
+        fuse_reduce = not SPLIT_REDUCE_FUSION_DISABLED
     rows = num_decodes * query_len
     assert rows * num_splits <= scratch.m.shape[0]
     group = num_heads // num_kv_heads
     cfg = tile_config(group, head_dim, max_query_len=1)
+    splits_pad = triton.next_power_of_2(max(num_splits, 2))
     _paged_attention_kernel[(rows, num_kv_heads, num_splits)](
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        decode_req_idx, scratch.m, scratch.l, scratch.acc,
+        decode_req_idx, scratch.m, scratch.l, scratch.acc, scratch.counter,
         num_decodes, num_heads, num_splits, scale * math.log2(math.e), sliding_window or 0,
         query.stride(0), out.stride(0), block_table.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -366,14 +438,18 @@ def split_decode_attention(
         SPLIT=True,
         SPLIT_Q=query_len,
         SKIP_DECODES=False,
+        FUSE_REDUCE=fuse_reduce,
+        SPLITS_PAD=splits_pad,
     )
+    if fuse_reduce:
+        return
     use_pdl = not INTERPRETED and pdl_supported(out.device)
     _reduce_splits_kernel[(rows, num_heads)](
         out, scratch.m, scratch.l, scratch.acc, decode_req_idx, query_start_loc,
         num_heads, num_splits, out.stride(0),
         HEAD_DIM=head_dim,
         HEAD_PAD=triton.next_power_of_2(head_dim),
-        SPLITS_PAD=triton.next_power_of_2(max(num_splits, 2)),
+        SPLITS_PAD=splits_pad,
         SPLIT_Q=query_len,
         USE_PDL=use_pdl,
         launch_pdl=use_pdl,
