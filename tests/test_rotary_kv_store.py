@@ -203,6 +203,7 @@ def test_models_hand_rotary_to_the_triton_backend_with_unchanged_tokens(make_mod
     expected = engine_tokens(model_dir, "torch")
 
     fused, plain = count_calls(monkeypatch, kv_store, "rotary_store_kv"), count_calls(monkeypatch, kv_store, "store_kv")
+    monkeypatch.setattr(ops, "ROTARY_KV_FUSION_DISABLED", False)
     assert engine_tokens(model_dir, "triton") == expected
     assert fused and not plain
 
@@ -267,6 +268,7 @@ def test_gpu_engine_with_cuda_graphs_takes_the_fused_path(make_model, arch, monk
         return [o.outputs[0].token_ids for o in outs]
 
     fused = count_calls(monkeypatch, kv_store, "rotary_store_kv")
+    monkeypatch.setattr(ops, "ROTARY_KV_FUSION_DISABLED", False)
     with_fusion = tokens()
     assert fused
     monkeypatch.setattr(ops, "ROTARY_KV_FUSION_DISABLED", True)

@@ -380,7 +380,7 @@ def test_engine_greedy_tokens_match_with_split_k_decode(llama_dir, torch_tokens,
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_engine_greedy_tokens_with_split_k_merged_in_kernel_or_not(make_model, arch, monkeypatch):
     """Split-K decodes (a low split threshold) give the torch backend's greedy tokens with
-    the merge in the split kernel and with the reduce launch (``PAGELM_DISABLE_SPLIT_REDUCE_FUSION``)."""
+    the merge in the split kernel and with the reduce launch (``PAGELM_SPLIT_REDUCE_FUSION``)."""
     from pagelm.backends.triton import paged_attention as pa
 
     model_dir = make_model(f"{arch}_split_merge", arch)

@@ -186,7 +186,7 @@ def test_split_k_merge_in_kernel_replays_in_a_cuda_graph():
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_engine_with_cuda_graphs_same_tokens_with_and_without_the_merge_fusion(make_model, arch, monkeypatch):
     """bf16 with decode graphs (batch 1 splits 32 ways): greedy tokens with the merge in the
-    split kernel equal those with the reduce launch (PAGELM_DISABLE_SPLIT_REDUCE_FUSION)."""
+    split kernel equal those with the reduce launch (PAGELM_SPLIT_REDUCE_FUSION)."""
     from pagelm.backends.triton import paged_attention as pa
 
     model_dir = make_model(f"gpu_{arch}_split_merge", arch)
@@ -198,6 +198,7 @@ def test_engine_with_cuda_graphs_same_tokens_with_and_without_the_merge_fusion(m
                   gpu_memory_utilization=0.3)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
+    monkeypatch.setattr(pa, "SPLIT_REDUCE_FUSION_DISABLED", False)
     fused = tokens()
     monkeypatch.setattr(pa, "SPLIT_REDUCE_FUSION_DISABLED", True)
     assert tokens() == fused

@@ -40,8 +40,8 @@ group's query heads and sets the counter back to 0 for the next launch (the next
 step). So decode attention is one launch, with nothing to reset from the host: it is safe to
 capture in a CUDA graph. (A program that returns early, past its request's query tokens, does
 so in every split of its row, which then never touches its counter.) The merge is the same arithmetic, on the same tile shapes, as
-``_reduce_splits_kernel``, the separate reduce launch that ``PAGELM_DISABLE_SPLIT_REDUCE_FUSION=1``
-brings back (to compare the two).
+``_reduce_splits_kernel``, the separate reduce launch, which stays the default until a GPU run
+has checked the fused merge (``PAGELM_SPLIT_REDUCE_FUSION=1`` turns it on).
 """
 
 from __future__ import annotations
@@ -56,9 +56,11 @@ import triton.language as tl
 
 from pagelm.backends.kernels.common import allow_next_kernel, pdl_supported, wait_for_previous_kernel
 
-# ``PAGELM_DISABLE_SPLIT_REDUCE_FUSION=1``: split-K decode merges its partials in a second
-# launch (``_reduce_splits_kernel``) instead of in the split kernel's last program.
-SPLIT_REDUCE_FUSION_DISABLED = os.environ.get("PAGELM_DISABLE_SPLIT_REDUCE_FUSION", "0").lower() in (
+# ``PAGELM_SPLIT_REDUCE_FUSION=1``: split-K decode merges its partials in the split kernel's
+# last program instead of a second launch (``_reduce_splits_kernel``). Opt-in until a GPU run
+# has checked it: its atomic counter and barrier order memory across programs, which Triton's
+# CPU interpreter (where it is tested) cannot get wrong; then the default.
+SPLIT_REDUCE_FUSION_DISABLED = os.environ.get("PAGELM_SPLIT_REDUCE_FUSION", "0").lower() not in (
     "1", "true", "on", "yes"
 )
 
@@ -417,8 +419,8 @@ def split_decode_attention(
     fuse_reduce: bool | None = None,
 ) -> None:
     """Flash-decoding: ``num_splits`` programs per (query token, KV head), whose partials the
-    last one to finish merges (``fuse_reduce``, by default unless
-    ``PAGELM_DISABLE_SPLIT_REDUCE_FUSION=1``; otherwise a second, reduce launch).
+    last one to finish merges (``fuse_reduce``, by default when
+    ``PAGELM_SPLIT_REDUCE_FUSION=1``; otherwise a second, reduce launch).
     ``query_len`` tokens per request (> 1: speculative verification, every request with
     exactly that many; token ``j`` sees the keys up to its own position)."""
     if fuse_reduce is None:

@@ -244,6 +244,8 @@ class _CausalSelfAttention(nn.Module):
     """Training stand-in for the paged ``Attention``: plain causal attention over
     ``shape["batch"]`` equal-length sequences laid end to end on the token axis."""
 
+    fuses_rotary = False  # the model applies its own rotary, as for any backend that does not take it
+
     def __init__(self, spec, shape: dict) -> None:
         super().__init__()
         self.spec, self.shape = spec, shape
