@@ -92,7 +92,7 @@ def train_eagle_head(target: str | Path, out_dir: str | Path, cfg: EagleTrainCon
     # Keep layer 0's input norm (a variant of the layout the loader recognises by its weight):
     # the head then starts as exactly the target's first layer.
     config.eagle_input_layernorm = True
-    head = get_plugin_manager().models().get(f"Eagle{arch}")(config)
+    head = get_plugin_manager().collect("model architecture").get(f"Eagle{arch}")(config)
     _init_from_target(head, model)
     if cfg.steps == 0:  # the initialised head only (tests; a baseline to compare training with)
         report = {"target": str(target), "steps": 0, "config": cfg.public()}
