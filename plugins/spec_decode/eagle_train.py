@@ -244,6 +244,9 @@ class _CausalSelfAttention(nn.Module):
     """Training stand-in for the paged ``Attention``: plain causal attention over
     ``shape["batch"]`` equal-length sequences laid end to end on the token axis."""
 
+    # The model applies its rotary itself, as for a backend without ``AttentionImpl.fuses_rotary``.
+    fuses_rotary = False
+
     def __init__(self, spec, shape: dict) -> None:
         super().__init__()
         self.spec, self.shape = spec, shape
