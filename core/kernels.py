@@ -46,7 +46,7 @@ def fused_kernel(name: str) -> Callable | None:
 def _load() -> tuple[object, int, dict[str, tuple[str, str]]]:
     global _cache
     manager = plugin_manager.get_plugin_manager()
-    registry = manager.kernels()
+    registry = manager.collect("kernel")
     refs = {}
     for name in registry.names():
         ref = registry.get(name)

@@ -168,9 +168,9 @@ class PluginManager:
 
     # ---- registries ----------------------------------------------------------------------
     def collect(self, kind: str, exclude: list[Any] | None = None) -> Registry:
-        """What is registered as plugin ``kind`` ("router", ...). Calls each plugin's
-        registration hook on its own, so that an entry that breaks the contract, or a hook
-        that raises, is an error naming that plugin."""
+        """What is registered as plugin ``kind`` ("attention backend", "router", ...; ``kinds()``
+        lists them). Calls each plugin's registration hook on its own, so that an entry that
+        breaks the contract, or a hook that raises, is an error naming that plugin."""
         self.load_entry_points()
         kinds = self.kinds()
         if kind not in kinds:
@@ -199,42 +199,6 @@ class PluginManager:
             return f"pagelm plugin {plugin_name!r}"
         return f"pagelm plugin {plugin_name!r} ({info.module}, from {info.distribution})"
 
-    def attention_backends(self) -> Registry:
-        return self.collect("attention backend")
-
-    def scheduling_policies(self) -> Registry:
-        return self.collect("scheduling policy")
-
-    def structured_output_backends(self) -> Registry:
-        return self.collect("structured output backend")
-
-    def proposers(self) -> Registry:
-        return self.collect("speculative proposer")
-
-    def models(self) -> Registry:
-        return self.collect("model architecture")
-
-    def model_loaders(self) -> Registry:
-        return self.collect("model loader")
-
-    def executors(self) -> Registry:
-        return self.collect("executor")
-
-    def data_parallel(self) -> Registry:
-        return self.collect("data parallel")
-
-    def stat_loggers(self) -> Registry:
-        return self.collect("stat logger")
-
-    def kv_offloads(self) -> Registry:
-        return self.collect("kv offload")
-
-    def cli_commands(self) -> Registry:
-        return self.collect("cli command")
-
-    def kernels(self) -> Registry:
-        return self.collect("kernel")
-
     def registrations(self, plugin_name: str) -> dict[str, list[str]]:
         """What one loaded plugin registers: ``{kind: [names]}`` (``pagelm plugins``)."""
         plugin = self.pm.get_plugin(plugin_name)
@@ -262,6 +226,7 @@ class PluginManager:
             except Exception:
                 self.num_hook_errors += 1
                 logger.exception("pagelm plugin %r raised in %s; the engine carries on", impl.plugin_name, hook_name)
+
     def kinds(self) -> dict[str, tuple[str, type | None]]:
         """Plugin kind -> (registration hook, the ABC its entries must subclass): the core's
         and those plugins added."""

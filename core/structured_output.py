@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     from pagelm.request import Request
     from pagelm.sampling_params import GuidedDecodingParams
 
-STRUCTURED_OUTPUT_CONTRACT_VERSION = 2
-
 
 class StructuredOutputManager(ABC):
     """The engine core's guided decoding: one per engine, used by the step loop's thread only.

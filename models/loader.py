@@ -52,7 +52,7 @@ class DummyLoader(SafetensorsLoader):
 
 
 def model_class_for(hf_config: PretrainedConfig) -> type[nn.Module]:
-    registry = get_plugin_manager().models()
+    registry = get_plugin_manager().collect("model architecture")
     archs = list(getattr(hf_config, "architectures", None) or [])
     for arch in archs:
         if arch in registry:

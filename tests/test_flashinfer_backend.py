@@ -125,7 +125,7 @@ def assert_matches(seqs, num_heads, num_kv_heads, head_dim, block_size, **kw):
 
 def test_registered_through_the_builtin_entry_point():
     pm = get_plugin_manager()
-    assert pm.attention_backends().get("flashinfer") is FlashInferAttentionBackend
+    assert pm.collect("attention backend").get("flashinfer") is FlashInferAttentionBackend
     assert pm.loaded["flashinfer_attention"].builtin
 
 
@@ -176,7 +176,7 @@ def test_graph_safety_is_declared_and_the_cache_is_flashinfers_nhd_layout():
 def _auto(device: str, dtype=torch.bfloat16):
     config = EngineConfig(model="(test)")
     return select_attention_backend(
-        config, get_plugin_manager().attention_backends(), LLAMA_8B, dtype, torch.device(device)
+        config, get_plugin_manager().collect("attention backend"), LLAMA_8B, dtype, torch.device(device)
     )
 
 

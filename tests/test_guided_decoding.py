@@ -427,7 +427,7 @@ def test_a_backend_written_for_the_version_1_contract_is_refused_naming_make_man
     get_plugin_manager().register(Plugin(), name="test-old-style-backend")
     try:
         with pytest.raises(PluginError, match=r"registers structured output backend 'old-style' .*does not implement make_manager"):
-            get_plugin_manager().structured_output_backends()
+            get_plugin_manager().collect("structured output backend")
     finally:
         get_plugin_manager().unregister("test-old-style-backend")
 

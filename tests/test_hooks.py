@@ -352,11 +352,11 @@ def test_hook_pagelm_register_kernels(plugin):
     plugin(P())
     assert fused_kernel("test_add_one") is fake_kernel  # seen at once: the table follows the plugins
     # The built-in kernels are registered the same way, by reference (not imported until used).
-    assert set(KERNELS) <= set(get_plugin_manager().kernels().names())
+    assert set(KERNELS) <= set(get_plugin_manager().collect("kernel").names())
 
 
 def test_builtin_commands_come_from_plugins():
-    commands = get_plugin_manager().cli_commands()
+    commands = get_plugin_manager().collect("cli command")
     assert {"bench", "simulate"} <= set(commands.names())
 
 

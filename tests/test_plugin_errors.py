@@ -86,7 +86,7 @@ def test_a_policy_missing_an_abstract_method_is_named_with_its_plugin():
     pm = PluginManager()
     pm.register(Plugin(), name="my-policies")
     with pytest.raises(PluginError, match=r"plugin 'my-policies' .*registers scheduling policy 'no_rank' .*does not implement rank"):
-        pm.scheduling_policies()
+        pm.collect("scheduling policy")
 
 
 def test_a_registration_hook_that_raises_is_named():
@@ -98,7 +98,7 @@ def test_a_registration_hook_that_raises_is_named():
     pm = PluginManager()
     pm.register(Plugin(), name="broken-backends")
     with pytest.raises(PluginError, match=r"plugin 'broken-backends' .*failed in pagelm_register_attention_backends: KeyError"):
-        pm.attention_backends()
+        pm.collect("attention backend")
 
 
 @pytest.mark.parametrize("method, problem", [
@@ -129,10 +129,10 @@ def test_an_incompatible_plugin_says_how_to_leave_it_out(tmp_path, monkeypatch):
 def test_a_builtin_plugin_can_be_disabled_by_name(monkeypatch):
     monkeypatch.setenv("PAGELM_DISABLE_PLUGINS", "sjf, simulate")
     pm = PluginManager()
-    assert "sjf" not in pm.scheduling_policies() and "fcfs" in pm.scheduling_policies()
-    assert "simulate" not in pm.cli_commands()
+    assert "sjf" not in pm.collect("scheduling policy") and "fcfs" in pm.collect("scheduling policy")
+    assert "simulate" not in pm.collect("cli command")
     with pytest.raises(ValueError, match=r"unknown scheduling policy 'sjf'; registered: fcfs, priority"):
-        pm.scheduling_policies().get("sjf")
+        pm.collect("scheduling policy").get("sjf")
 
 
 def test_an_unknown_proposer_method_is_the_error(llama_dir):

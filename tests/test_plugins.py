@@ -45,19 +45,32 @@ GOOD_PLUGIN = """
 
 def test_builtin_plugins_are_discovered_through_entry_points():
     pm = PluginManager()
-    assert "torch" in pm.attention_backends()
-    assert "fcfs" in pm.scheduling_policies()
+    assert "torch" in pm.collect("attention backend")
+    assert "fcfs" in pm.collect("scheduling policy")
     assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"} <= set(
-        pm.models().names()
+        pm.collect("model architecture").names()
     )
     assert {"torch_attention", "fcfs", "models"} <= set(pm.loaded)
     assert all(pm.loaded[n].builtin for n in ("torch_attention", "fcfs", "models"))
 
 
+@pytest.mark.parametrize("kind, builtin", [
+    ("attention backend", "torch"), ("scheduling policy", "priority"), ("structured output backend", "xgrammar"),
+    ("speculative proposer", "ngram"), ("model loader", "safetensors"), ("executor", "uni"),
+    ("data parallel", "replicas"), ("stat logger", "prometheus"), ("kv offload", "cpu"),
+    ("cli command", "serve"), ("kernel", "rms_norm"), ("router", "round_robin"), ("tool call parser", "hermes"),
+])
+def test_collect_answers_the_core_kinds_and_those_plugins_add(kind, builtin):
+    # Since plugin API 2.15 there is no per-kind accessor: ``collect`` is the one way in.
+    pm = PluginManager()
+    assert kind in pm.kinds()
+    assert builtin in pm.collect(kind)
+
+
 def test_third_party_distribution_is_discovered(tmp_path, monkeypatch):
     install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", GOOD_PLUGIN)
     pm = PluginManager()
-    assert "lifo_from_dist" in pm.scheduling_policies()
+    assert "lifo_from_dist" in pm.collect("scheduling policy")
     info = pm.loaded["pagelm_lifo"]
     assert (info.distribution, info.version) == ("pagelm_lifo", "0.1")
 
@@ -66,16 +79,16 @@ def test_allow_list_skips_unlisted_third_party_plugins(tmp_path, monkeypatch):
     install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", GOOD_PLUGIN)
     monkeypatch.setenv("PAGELM_PLUGINS", "something_else")
     pm = PluginManager()
-    assert "lifo_from_dist" not in pm.scheduling_policies()
-    assert "fcfs" in pm.scheduling_policies()  # built-ins always load
+    assert "lifo_from_dist" not in pm.collect("scheduling policy")
+    assert "fcfs" in pm.collect("scheduling policy")  # built-ins always load
 
 
 def test_disable_autoload_skips_third_party_plugins(tmp_path, monkeypatch):
     install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", GOOD_PLUGIN)
     monkeypatch.setenv("PAGELM_DISABLE_PLUGIN_AUTOLOAD", "1")
     pm = PluginManager()
-    assert "lifo_from_dist" not in pm.scheduling_policies()
-    assert "torch" in pm.attention_backends()
+    assert "lifo_from_dist" not in pm.collect("scheduling policy")
+    assert "torch" in pm.collect("attention backend")
 
 
 def test_plugin_that_fails_to_import_is_named(tmp_path, monkeypatch):
@@ -109,13 +122,13 @@ def test_in_process_plugin_is_registered_and_listed():
 
     pm = PluginManager()
     pm.register(Plugin(), name="mine-plugin")
-    assert pm.scheduling_policies().get("mine") is Mine
+    assert pm.collect("scheduling policy").get("mine") is Mine
 
 
 def test_unknown_name_lists_registered_ones():
     pm = PluginManager()
     with pytest.raises(UnknownNameError, match=r"unknown attention backend 'nope'; registered: .*torch"):
-        pm.attention_backends().get("nope")
+        pm.collect("attention backend").get("nope")
 
 
 def test_loading_is_idempotent():
@@ -124,7 +137,7 @@ def test_loading_is_idempotent():
     before = dict(pm.loaded)
     pm.load_entry_points()
     assert pm.loaded == before
-    assert len(pm.scheduling_policies()) == len(pm.scheduling_policies())
+    assert len(pm.collect("scheduling policy")) == len(pm.collect("scheduling policy"))
 
 
 # ---- plugin API version -----------------------------------------------------------------------
@@ -141,19 +154,19 @@ def test_declared_api_version_is_recorded(tmp_path, monkeypatch):
         warnings.simplefilter("error")  # a declaring plugin loads without a warning
         pm.load_entry_points()
     assert pm.loaded["pagelm_lifo"].api_version == "2.0"
-    assert pm.loaded["fcfs"].api_version == PLUGIN_API_VERSION == "2.14"
+    assert pm.loaded["fcfs"].api_version == PLUGIN_API_VERSION == "2.15"
 
 
 def test_plugin_for_another_major_api_is_rejected_naming_both_versions(tmp_path, monkeypatch):
     # 1.x policies kept the waiting queue on the policy: they cannot run on 2.0.
     install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("1.1"))
-    with pytest.raises(PluginLoadError, match=r"'pagelm_lifo'.*incompatible.*plugin API 1\.1.*provides plugin API 2\.14"):
+    with pytest.raises(PluginLoadError, match=r"'pagelm_lifo'.*incompatible.*plugin API 1\.1.*provides plugin API 2\.15"):
         PluginManager().load_entry_points()
 
 
 def test_plugin_needing_a_newer_minor_api_is_rejected(tmp_path, monkeypatch):
-    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("2.15"))
-    with pytest.raises(PluginLoadError, match=r"declares plugin API 2\.15, newer than this pagelm's plugin API 2\.14"):
+    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("2.16"))
+    with pytest.raises(PluginLoadError, match=r"declares plugin API 2\.16, newer than this pagelm's plugin API 2\.15"):
         PluginManager().load_entry_points()
 
 
@@ -177,7 +190,7 @@ def test_undeclared_api_version_loads_with_a_warning(tmp_path, monkeypatch):
     pm = PluginManager()
     with pytest.warns(UserWarning, match=r"'pagelm_lifo'.*does not declare PAGELM_PLUGIN_API"):
         pm.load_entry_points()
-    assert "lifo_from_dist" in pm.scheduling_policies()
+    assert "lifo_from_dist" in pm.collect("scheduling policy")
     assert pm.loaded["pagelm_lifo"].api_version is None
 
 
@@ -193,7 +206,7 @@ def test_registry_rejects_an_entry_of_the_wrong_kind():
     pm = PluginManager()
     pm.register(Plugin(), name="bogus-plugin")
     with pytest.raises(PluginError, match=r"plugin 'bogus-plugin' .*registers scheduling policy 'bogus', which must be a subclass of pagelm.sched.policy.SchedulingPolicy"):
-        pm.scheduling_policies()
+        pm.collect("scheduling policy")
 
 
 def test_non_strict_loading_records_broken_plugins(tmp_path, monkeypatch):
@@ -202,7 +215,7 @@ def test_non_strict_loading_records_broken_plugins(tmp_path, monkeypatch):
     pm.load_entry_points(strict=False)
     info, why = pm.not_loaded["pagelm_lifo"]
     assert why.startswith("error:") and "plugin API 3.0" in why
-    assert "fcfs" in pm.scheduling_policies()
+    assert "fcfs" in pm.collect("scheduling policy")
 
 
 # ---- pagelm plugins ---------------------------------------------------------------------------
@@ -223,7 +236,7 @@ def test_cli_lists_builtin_plugins_with_kind_package_and_version(capsys):
     import pagelm
 
     mine = ("fcfs", "priority", "sjf", "torch_attention", "models")
-    assert {(rows[n]["package"], rows[n]["version"], rows[n]["plugin_api"]) for n in mine} == {("pagelm", pagelm.__version__, "2.14")}
+    assert {(rows[n]["package"], rows[n]["version"], rows[n]["plugin_api"]) for n in mine} == {("pagelm", pagelm.__version__, "2.15")}
 
 
 def test_cli_lists_third_party_broken_and_disabled_plugins(tmp_path, monkeypatch, capsys):

@@ -329,7 +329,7 @@ def test_plugin_registers_and_explains_itself_without_triton():
         import torch
         from pagelm.attention import AttentionSpec
         from pagelm.plugin_manager import get_plugin_manager
-        backend = get_plugin_manager().attention_backends().get("triton")
+        backend = get_plugin_manager().collect("attention backend").get("triton")
         print(backend.validate(None, AttentionSpec(4, 2, 64, 0.125), torch.float16, torch.device("cuda")))
         """
     )

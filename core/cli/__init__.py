@@ -15,7 +15,7 @@ def build_parser(plugins=None) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="pagelm", description="pagelm: LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands = (plugins or get_plugin_manager()).cli_commands()
+    commands = (plugins or get_plugin_manager()).collect("cli command")
     for name in commands.names():
         commands.get(name)(sub)
     return parser

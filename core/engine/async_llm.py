@@ -106,7 +106,7 @@ class AsyncLLM:
         # Every registered stat logger, by name (the server's /metrics reads prometheus's
         # registry). One that fails to start fails the engine's, without leaving a core running.
         try:
-            registry = get_plugin_manager().stat_loggers()
+            registry = get_plugin_manager().collect("stat logger")
             self.stat_loggers = {
                 name: registry.get(name)(config, self.model_name, self.max_model_len, self.stats)
                 for name in registry.names()

@@ -48,14 +48,14 @@ class EngineCore:
 
         # Plugin names first: a typo fails before any weight is read.
         if config.attention_backend != "auto":
-            plugins.attention_backends().get(config.attention_backend)
-        policy_cls = plugins.scheduling_policies().get(config.scheduling_policy)
+            plugins.collect("attention backend").get(config.attention_backend)
+        policy_cls = plugins.collect("scheduling policy").get(config.scheduling_policy)
         # No guided-decoding plugin at all: the engine runs, guided requests are refused.
-        backends = plugins.structured_output_backends()
+        backends = plugins.collect("structured output backend")
         structured_output_cls = backends.get(config.structured_output_backend) if len(backends) else None
         raise_problems(f"scheduling_policy={config.scheduling_policy!r}", policy_cls.validate(config))
         proposer_cls = self._proposer_class(plugins)
-        loader = plugins.model_loaders().get(config.load_format)
+        loader = plugins.collect("model loader").get(config.load_format)
         self.offload_cls = self._kv_offload_class(plugins)
 
         config.model = loader.resolve(config.model)  # a hub id becomes its local snapshot
@@ -154,7 +154,7 @@ class EngineCore:
         """The other ranks started by the configured executor, this process joined to them as
         rank 0 (None: one rank)."""
         config = self.config
-        executor_cls = plugins.executors().get(config.executor_backend)
+        executor_cls = plugins.collect("executor").get(config.executor_backend)
         problems = executor_cls.validate(config)
         if config.pipeline_parallel_size > 1 and proposer_cls is not None and proposer_cls.uses_target_pass:
             # Its head reads the last stage's hidden states and the first stage's embedding.
@@ -190,7 +190,7 @@ class EngineCore:
         raw = self.config.speculative_config
         if raw is None:
             return None
-        proposers = plugins.proposers()
+        proposers = plugins.collect("speculative proposer")
         method = raw.get("method") if isinstance(raw, dict) else None
         # The method first: with an unknown one the other keys' problems are beside the point.
         if isinstance(method, str) and method not in proposers:
@@ -207,7 +207,7 @@ class EngineCore:
         """The registered second KV tier ``kv_offload`` names, checked (None: no tier)."""
         if not self.config.kv_offload_enabled:
             return None
-        offload_cls = plugins.kv_offloads().get(self.config.kv_offload)
+        offload_cls = plugins.collect("kv offload").get(self.config.kv_offload)
         raise_problems(f"kv_offload={self.config.kv_offload!r}", offload_cls.validate(self.config))
         return offload_cls
 

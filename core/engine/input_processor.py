@@ -165,7 +165,7 @@ class InputProcessor:
         can run here (e.g. its library installed) and accepts the constraint's syntax."""
         if self.config.skip_tokenizer_init:
             raise ValueError("guided_decoding needs the tokenizer; the engine has skip_tokenizer_init=True")
-        backends = get_plugin_manager().structured_output_backends()
+        backends = get_plugin_manager().collect("structured output backend")
         name = self.config.structured_output_backend
         if not len(backends):
             raise ValueError(

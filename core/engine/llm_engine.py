@@ -47,7 +47,7 @@ class LLMEngine:
         if not Path(config.model).expanduser().is_dir():
             # A hub id becomes its local snapshot; anything else fails here at once, not after
             # the tokenizer's ~50 s of hub retries.
-            config.model = get_plugin_manager().model_loaders().get(config.load_format).resolve(config.model)
+            config.model = get_plugin_manager().collect("model loader").get(config.load_format).resolve(config.model)
         model_dir = Path(config.model).expanduser()
         self.tokenizer = (
             None if config.skip_tokenizer_init
@@ -70,7 +70,7 @@ class LLMEngine:
         if not (model_dir / "config.json").is_file():
             return None
         hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=self.config.trust_remote_code)
-        registry = get_plugin_manager().models()
+        registry = get_plugin_manager().collect("model architecture")
         for arch in getattr(hf_config, "architectures", None) or []:
             if arch in registry:
                 cls = registry.get(arch)
@@ -160,7 +160,7 @@ class LLMEngine:
         """One engine core, or ``data_parallel_size`` of them behind the data-parallel plugin."""
         if self.config.data_parallel_size == 1:
             return self.core_factory(self.config, self.eos_token_ids)
-        registry = get_plugin_manager().data_parallel()
+        registry = get_plugin_manager().collect("data parallel")
         if len(registry) != 1:
             raise ValueError(
                 f"data_parallel_size={self.config.data_parallel_size} needs exactly one data-parallel plugin; "

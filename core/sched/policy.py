@@ -18,8 +18,6 @@ if TYPE_CHECKING:
     from pagelm.config import EngineConfig
     from pagelm.request import Request
 
-POLICY_CONTRACT_VERSION = 2
-
 
 class SchedulingPolicy(ABC):
     """Ranks requests, makes the waiting queue and picks preemption victims."""

@@ -43,8 +43,6 @@ if TYPE_CHECKING:
     from pagelm.config import EngineConfig
     from pagelm.sampling_params import SamplingParams
 
-PROPOSER_CONTRACT_VERSION = 2
-
 
 class RequestView(Protocol):
     """A running request as the model runner keeps it (read only: the runner owns it). The

@@ -45,9 +45,9 @@ __all__ = [
 _BLOCK_SIZE = 4
 
 
-def _registered(registry: str, name: str, abc: type, kind: str | None = None) -> type:
+def _registered(plugin_kind: str, name: str, abc: type, kind: str | None = None) -> type:
     """The class registered as ``name``; with ``kind``, its ``name`` attribute must match."""
-    cls = getattr(get_plugin_manager(), registry)().get(name)
+    cls = get_plugin_manager().collect(plugin_kind).get(name)
     assert isinstance(cls, type) and issubclass(cls, abc), f"{name!r} is not a {abc.__name__}"
     if kind is not None:
         assert cls.name == name, f"{kind} registered as {name!r} but its name attribute is {cls.name!r}"
@@ -95,7 +95,7 @@ def check_scheduling_policy(
 
 
 def _policy_class(name: str) -> type[SchedulingPolicy]:
-    return _registered("scheduling_policies", name, SchedulingPolicy)
+    return _registered("scheduling policy", name, SchedulingPolicy)
 
 
 def _config(name: str, plugin_config: dict[str, Any] | None, **kw: Any) -> EngineConfig:
@@ -364,7 +364,7 @@ def check_attention_backend(
 
 
 def _backend_class(name: str) -> type[AttentionBackend]:
-    return _registered("attention_backends", name, AttentionBackend, kind="backend")
+    return _registered("attention backend", name, AttentionBackend, kind="backend")
 
 
 # (block_size, [(num_cached, num_new) per request]): prefills, decodes over cached context, a
@@ -473,7 +473,7 @@ def check_proposer(
     """Every proposer check; the engine check only when ``model_dir`` is given (returns its
     acceptance counters, else ``{}``). ``speculative_config``: extra keys your proposer needs
     (``{"model": ...}`` for a draft model)."""
-    cls = _registered("proposers", name, Proposer, kind="proposer")
+    cls = _registered("speculative proposer", name, Proposer, kind="proposer")
     config = EngineConfig(model=str(model_dir or "(conformance)"), speculative_config=_spec_config(name, speculative_config))
     problems = _problems(name, cls.validate(config))
     lookahead = cls.num_lookahead_slots(config)

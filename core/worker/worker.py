@@ -60,15 +60,15 @@ def load_runner(config, hf_config, device, dtype, eos_token_ids, max_model_len) 
     model's layers are split over the ranks like the target's, and every rank verifies and
     proposes each step as rank 0 does). The layers include the proposer's (KV caches)."""
     plugins = get_plugin_manager()
-    model = plugins.model_loaders().get(config.load_format).load(config, hf_config, device, dtype)
+    model = plugins.collect("model loader").get(config.load_format).load(config, hf_config, device, dtype)
     layers = attention_layers(model)
-    backend_cls = select_attention_backend(config, plugins.attention_backends(), layers[0].spec, dtype, device)
+    backend_cls = select_attention_backend(config, plugins.collect("attention backend"), layers[0].spec, dtype, device)
     runner = ModelRunner(
         config, model, backend_cls, device, dtype, eos_token_ids, hf_config.get_text_config().vocab_size, max_model_len,
         _mm_processor(config, hf_config, model),
     )
     if config.speculative_config is not None:
-        proposer = plugins.proposers().get(config.speculative.method)(config, model, device, dtype)
+        proposer = plugins.collect("speculative proposer").get(config.speculative.method)(config, model, device, dtype)
         runner.enable_speculative_decoding(proposer)
         layers = layers + list(proposer.attention_layers())
     return runner, layers
@@ -123,7 +123,7 @@ def run_worker(
             elif kind == "size_kv":  # this rank's own count; every rank takes the least
                 num_kv_blocks(config, runner, layers, max_model_len)
             elif kind == "kv_offload":
-                runner.initialize_kv_offload(get_plugin_manager().kv_offloads().get(config.kv_offload), args[0])
+                runner.initialize_kv_offload(get_plugin_manager().collect("kv offload").get(config.kv_offload), args[0])
             elif kind == "graphs":
                 runner.capture_cuda_graphs()
             else:

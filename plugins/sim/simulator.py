@@ -137,7 +137,7 @@ def simulate(
     config = config or SimConfig()
     cost = cost or CostModel()
     engine_config = config.engine_config(policy)
-    policy_cls = get_plugin_manager().scheduling_policies().get(policy)
+    policy_cls = get_plugin_manager().collect("scheduling policy").get(policy)
     raise_problems(f"scheduling_policy={policy!r}", policy_cls.validate(engine_config))
     max_model_len = max(r.prompt_len + (r.max_tokens or r.output_len) for r in trace)
     if cdiv(max_model_len, config.block_size) > config.num_kv_blocks:

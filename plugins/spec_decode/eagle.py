@@ -32,7 +32,7 @@ from pagelm.models.loader import default_dtype, iterate_weights
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 
-PAGELM_PLUGIN_API = "2.14"
+PAGELM_PLUGIN_API = "2.15"
 
 
 class EagleProposer(DraftProposer):
@@ -110,7 +110,7 @@ def load_eagle_head(path: Path, target: nn.Module, device: torch.device, dtype: 
     config.eagle_input_layernorm = "layers.0.input_layernorm.weight" in names
     config.eagle_own_embedding = "embed_tokens.weight" in names
     arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
-    head_cls = get_plugin_manager().models().get(arch if arch.startswith("Eagle") else f"Eagle{arch}")
+    head_cls = get_plugin_manager().collect("model architecture").get(arch if arch.startswith("Eagle") else f"Eagle{arch}")
     with torch.device(device), default_dtype(dtype):
         head = head_cls(config)
     loaded = head.load_weights(weights.items())

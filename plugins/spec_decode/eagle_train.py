@@ -92,7 +92,7 @@ def train_eagle_head(target: str | Path, out_dir: str | Path, cfg: EagleTrainCon
     # Keep layer 0's input norm (a variant of the layout the loader recognises by its weight):
     # the head then starts as exactly the target's first layer.
     config.eagle_input_layernorm = True
-    head = get_plugin_manager().models().get(f"Eagle{arch}")(config)
+    head = get_plugin_manager().collect("model architecture").get(f"Eagle{arch}")(config)
     _init_from_target(head, model)
     if cfg.steps == 0:  # the initialised head only (tests; a baseline to compare training with)
         report = {"target": str(target), "steps": 0, "config": cfg.public()}
@@ -244,7 +244,8 @@ class _CausalSelfAttention(nn.Module):
     """Training stand-in for the paged ``Attention``: plain causal attention over
     ``shape["batch"]`` equal-length sequences laid end to end on the token axis."""
 
-    fuses_rotary = False  # the model applies its own rotary, as for any backend that does not take it
+    # The model applies its rotary itself, as for a backend without ``AttentionImpl.fuses_rotary``.
+    fuses_rotary = False
 
     def __init__(self, spec, shape: dict) -> None:
         super().__init__()

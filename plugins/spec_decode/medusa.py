@@ -39,7 +39,7 @@ from torch import nn
 from pagelm import hookimpl
 from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 
-PAGELM_PLUGIN_API = "2.14"
+PAGELM_PLUGIN_API = "2.15"
 
 _WEIGHT = re.compile(r"(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)")
 
