@@ -34,7 +34,7 @@ from pagelm.models.pipeline import MissingLayer
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 
-PAGELM_PLUGIN_API = "2.14"
+PAGELM_PLUGIN_API = "2.15"
 
 
 class EagleProposer(DraftProposer):
