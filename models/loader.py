@@ -91,6 +91,16 @@ def iterate_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def checkpoint_tensor(path: Path, name: str) -> torch.Tensor | None:
+    """One tensor of the checkpoint at ``path`` by name (read alone, the rest never loaded);
+    None when no shard has it."""
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    return None
+
+
 def _build(hf_config: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
     cls = model_class_for(hf_config)
     with torch.device(device), default_dtype(dtype):

@@ -13,6 +13,10 @@ import torch
 
 from pagelm import LLM, SamplingParams
 from pagelm.models.pipeline import MissingLayer, held_by_this_stage
+from pagelm.plugins.spec_decode import DraftProposer
+from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
+from pagelm.plugins.spec_decode.medusa_train import MedusaTrainConfig, train_medusa_heads
+from spec_helpers import registered_proposer
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -99,10 +103,16 @@ def test_logprobs_and_prompt_logprobs_equal_one_stage(llama_dir, tp):
     assert len(got[0][1][0]) >= 3 and len(got[0][2][1]) >= 2 and got[3][1] is None and got[3][2] is None
 
 
-def test_random_arrivals_aborts_and_preemptions_with_two_batches_in_flight_equal_the_plain_run(llama_dir):
+@pytest.mark.parametrize("method", [None, "eagle"])
+def test_random_arrivals_aborts_and_preemptions_with_two_batches_in_flight_equal_the_plain_run(
+    llama_dir, request, method
+):
     """The oracle is the one-stage run of each request alone; the pipelined engine sees
     requests arrive at random steps, some aborted mid-way, a KV pool small enough to
-    preempt, 16-token chunks, and two micro-batches in flight."""
+    preempt, 16-token chunks, and two micro-batches in flight; with EAGLE drafts too (a
+    request preempted or aborted while its step is in flight is still proposed for when
+    that step finishes, from the inputs and block-table rows kept at launch)."""
+    spec = None if method is None else request.getfixturevalue("eagle_spec")
     rng = random.Random(17)
     prompts = {f"r{i}": [rng.randrange(3, 500) for _ in range(rng.randrange(3, 40))] for i in range(14)}
     params = {rid: SamplingParams(max_tokens=rng.randrange(1, 20), temperature=0.0, ignore_eos=True) for rid in prompts}
@@ -110,7 +120,7 @@ def test_random_arrivals_aborts_and_preemptions_with_two_batches_in_flight_equal
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts.values()], list(params.values()), use_tqdm=False)
         plain = dict(zip(prompts, _ids_of(outs)))
     with LLM(str(llama_dir), dtype="float32", pipeline_parallel_size=2, num_kv_blocks=14, block_size=8,
-             max_num_batched_tokens=16, max_model_len=64) as llm:
+             max_num_batched_tokens=16, max_model_len=64, speculative_config=spec) as llm:
         engine, core = llm.engine, llm.engine.core
         overlapped = []
         launch = core.runner.launch
@@ -135,6 +145,8 @@ def test_random_arrivals_aborts_and_preemptions_with_two_batches_in_flight_equal
             finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
         assert core.scheduler.num_preemptions > 0 and max(overlapped) == 1 and aborted
         assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks
+        if spec is not None:
+            assert core.scheduler.spec_decoding_stats.num_accepted_tokens > 0
     assert set(finished) == set(prompts) - aborted
     assert finished == {rid: plain[rid] for rid in finished}
 
@@ -195,14 +207,23 @@ def test_bad_pipeline_config_is_a_clear_error(llama_dir, kw, match):
     assert not torch.distributed.is_initialized()
 
 
-def test_a_proposer_reading_the_target_pass_is_refused(llama_dir, tmp_path):
-    # Medusa (like EAGLE) reads the last stage's hidden states; only n-gram drafts under PP.
-    (tmp_path / "config.json").write_text('{"medusa_num_heads": 2}')
-    (tmp_path / "heads.safetensors").write_bytes(b"")
-    spec = {"method": "medusa", "num_speculative_tokens": 2, "model": str(tmp_path)}
-    match = r"speculative_config \(method='medusa'\) does not run under pipeline parallelism yet \(pipeline_parallel_size=2\)"
-    with pytest.raises(ValueError, match=match):
-        LLM(str(llama_dir), dtype="float32", pipeline_parallel_size=2, speculative_config=spec)
+class _ReadsHidden(DraftProposer):
+    """A third-party proposer that reads the target's pass and does not say it can live on
+    the last pipeline stage alone."""
+
+    name = "reads-hidden"
+
+    def propose(self, batch):
+        return [[] for _ in range(batch.num_reqs)]
+
+
+def test_a_proposer_reading_the_target_pass_without_pipeline_support_is_refused(llama_dir):
+    match = (r"speculative_config \(method='reads-hidden'\) does not run under pipeline parallelism "
+             r"\(pipeline_parallel_size=2\): its proposer reads the target's forward pass and does not set "
+             r"supports_pipeline_parallel")
+    with registered_proposer(_ReadsHidden), pytest.raises(ValueError, match=match):
+        LLM(str(llama_dir), dtype="float32", pipeline_parallel_size=2,
+            speculative_config={"method": "reads-hidden", "num_speculative_tokens": 2})
     assert not torch.distributed.is_initialized()
 
 
@@ -269,3 +290,55 @@ def test_async_scheduling_under_pp2_equals_the_plain_run(llama_dir):
         assert core.async_scheduling and core.scheduler.num_preemptions > 0
         assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks
     assert got == plain
+
+
+@pytest.fixture(scope="module")
+def eagle_spec(llama_dir, tmp_path_factory):
+    """An EAGLE head for the tiny Llama: the trainer's initialisation, untrained (a working
+    head, not a good one; it still gets drafts accepted on these prompts)."""
+    head = tmp_path_factory.mktemp("pp_eagle")
+    train_eagle_head(llama_dir, head, EagleTrainConfig(steps=0), log=lambda *_: None)
+    return {"method": "eagle", "num_speculative_tokens": 2, "model": str(head)}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_eagle_drafts_under_pp2_give_the_one_stage_tokens_and_drafts(llama_dir, eagle_spec, tp):
+    # The head lives on the last stage (its own copy of the embedding, which that stage
+    # lacks), reads the hidden states there and sends its drafts to rank 0; the last stage
+    # verifies them. Two micro-batches in flight and 16-token prompt chunks: a step that
+    # ends a prompt is proposed for when the engine finishes it, after the next step was
+    # launched over the same input buffers. tp=2: the head's layer is split over the last
+    # stage's two ranks, and its first rank sends.
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
+    # Without adaptive drafting a request's drafts depend on its own tokens only, not on
+    # which micro-batch it rode in: each request's are the one-stage head's.
+    spec = {**eagle_spec, "adaptive": False}
+    kw = dict(dtype="float32", block_size=8, max_num_batched_tokens=16)
+    with LLM(str(llama_dir), **kw) as llm:
+        want = llm.generate(REPEATING, params, use_tqdm=False)
+    with LLM(str(llama_dir), speculative_config=spec, **kw) as llm:
+        one_stage = llm.generate(REPEATING, params, use_tqdm=False)
+    with LLM(str(llama_dir), pipeline_parallel_size=2, tensor_parallel_size=tp, speculative_config=spec, **kw) as llm:
+        got = llm.generate(REPEATING, params, use_tqdm=False)
+        runner = llm.engine.core.runner
+        # Rank 0 (stage 0) holds no head and no KV cache for one: only its own layers'.
+        assert runner.spec.proposer is None and len(runner.kv_caches) == len(runner.model.model.stage_layers)
+    assert _logprobs_of(got) == _logprobs_of(want)
+    drafted = [(o.metrics.spec_num_draft_tokens, o.metrics.spec_num_accepted_tokens) for o in got]
+    assert drafted == [(o.metrics.spec_num_draft_tokens, o.metrics.spec_num_accepted_tokens) for o in one_stage]
+    assert sum(d for d, _ in drafted) > 0 and sum(a for _, a in drafted) > 0
+
+
+def test_medusa_drafts_under_pp2_give_the_one_stage_tokens(llama_dir, tmp_path):
+    # The heads read the last stage's hidden states (no KV cache, no embedding).
+    train_medusa_heads(llama_dir, tmp_path / "heads", MedusaTrainConfig(steps=0), log=lambda *_: None)
+    spec = {"method": "medusa", "num_speculative_tokens": 2, "model": str(tmp_path / "heads")}
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
+    kw = dict(dtype="float32", block_size=8)
+    with LLM(str(llama_dir), **kw) as llm:
+        want = llm.generate(REPEATING, params, use_tqdm=False)
+    with LLM(str(llama_dir), pipeline_parallel_size=2, speculative_config=spec, **kw) as llm:
+        got = llm.generate(REPEATING, params, use_tqdm=False)
+    assert _logprobs_of(got) == _logprobs_of(want)
+    assert sum(o.metrics.spec_num_draft_tokens for o in got) > 0
+    assert sum(o.metrics.spec_num_accepted_tokens for o in got) > 0

@@ -156,12 +156,16 @@ class EngineCore:
         config = self.config
         executor_cls = plugins.collect("executor").get(config.executor_backend)
         problems = executor_cls.validate(config)
-        if config.pipeline_parallel_size > 1 and proposer_cls is not None and proposer_cls.uses_target_pass:
-            # Its head reads the last stage's hidden states and the first stage's embedding.
+        if (
+            config.pipeline_parallel_size > 1 and proposer_cls is not None and proposer_cls.uses_target_pass
+            and not proposer_cls.supports_pipeline_parallel
+        ):
+            # It reads the target's hidden states, which only the last stage has, and has not
+            # said it can live there alone (``Proposer.supports_pipeline_parallel``).
             problems.append(
                 f"speculative_config (method={config.speculative.method!r}) does not run under pipeline parallelism "
-                f"yet (pipeline_parallel_size={config.pipeline_parallel_size}); 'ngram' does, and it does under "
-                "tensor parallelism"
+                f"(pipeline_parallel_size={config.pipeline_parallel_size}): its proposer reads the target's forward "
+                "pass and does not set supports_pipeline_parallel; 'ngram', 'eagle' and 'medusa' do run there"
             )
         raise_problems(f"distributed_executor_backend={config.executor_backend!r}", problems)
         if config.world_size == 1:

@@ -171,6 +171,12 @@ class Proposer(ABC):
     # ``positions``, ``hidden_states``, ``common``: a draft model does). False leaves them
     # None and saves building them on the device every step.
     uses_target_pass: ClassVar[bool] = True
+    # Under pipeline parallelism only the last stage has the target's hidden states: a
+    # proposer that reads the target pass is built there alone (its ``target`` holds that
+    # stage's layers, the final norm and ``compute_logits``, not the embedding), and its
+    # drafts are sent to rank 0. True says it works so; False refuses it under pipeline
+    # parallelism at start-up. Proposers that do not read the target pass run on every rank.
+    supports_pipeline_parallel: ClassVar[bool] = False
 
     def __init__(self, config: "EngineConfig", target: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         self.config = config

@@ -122,14 +122,18 @@ class ModelRunner:
         self._position_delta = np.zeros(self.max_num_reqs, dtype=np.int64)
         self._positioned_len = np.zeros(self.max_num_reqs, dtype=np.int64)
 
-    def enable_speculative_decoding(self, proposer) -> None:
+    def enable_speculative_decoding(self, proposer, drafts_from_last_stage: bool = False) -> None:
         """Verify drafts and ask ``proposer`` for new ones every step. Before the KV cache is
-        allocated: a draft model's attention layers get caches too."""
-        self.spec = SpecDecodeRunner(proposer, self.max_model_len)
+        allocated: a draft model's attention layers get caches too. ``drafts_from_last_stage``
+        (pipeline parallelism): the proposer lives on the last stage (``proposer`` None on
+        the others), which sends its drafts to rank 0."""
+        self.spec = SpecDecodeRunner(
+            proposer, self.config.speculative.num_speculative_tokens, self.max_model_len, drafts_from_last_stage
+        )
 
     def _kv_layers(self) -> list:
         """Every paged attention layer: the model's, then the proposer's (a draft model)."""
-        extra = self.spec.proposer.attention_layers() if self.spec is not None else []
+        extra = self.spec.proposer.attention_layers() if self.spec is not None and self.spec.proposer is not None else []
         return attention_layers(self.model) + list(extra)
 
     # ---- start-up ------------------------------------------------------------------------
@@ -360,6 +364,8 @@ class ModelRunner:
             self._inputs_uploaded.record()
         logits, hidden = self.compute_logits(step, return_hidden=True)
         pending = PendingStep(sched, req_ids, states, self._add_placeholders(states, starts, counts))
+        if self.spec is not None and self.spec.keeps_launched_steps:  # proposed from after later launches
+            step = self.spec.keep_inputs(self, step, states)
         pending.inputs, pending.hidden, pending.starts, pending.counts = step, hidden, starts, counts
         pending.logits, pending.sampling_metadata = logits, md
         if logits is not None and logits.is_cuda:  # the race's noise needs no logit: queued now, with the forward pass
@@ -421,7 +427,8 @@ class ModelRunner:
             None if sampled is None else sampled.logprobs, num_reqs, md.max_num_logprobs, prompt_logprobs, rows
         )
         pending.copy_to_host(ids, logprobs, prompt_logprobs)
-        pending.inputs = pending.hidden = None
+        if self.spec is None or not self.spec.keeps_launched_steps:  # else the proposer reads them
+            pending.inputs = pending.hidden = None
 
     @torch.inference_mode()
     def finish(self, pending: PendingStep) -> ModelRunnerOutput:
@@ -457,7 +464,10 @@ class ModelRunner:
     def may_draft_next(self) -> bool:
         """Whether the proposal after the step in flight may give any request drafts: then
         it must be finished before the next step is scheduled (speculative decoding)."""
-        return self.spec is not None and self.spec.proposer.may_draft(list(self.requests.values()))
+        if self.spec is None:
+            return False
+        proposer = self.spec.proposer
+        return proposer is None or proposer.may_draft(list(self.requests.values()))
 
     @staticmethod
     def _add_placeholders(states, starts, counts) -> list[int]:

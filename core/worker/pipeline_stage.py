@@ -105,6 +105,22 @@ class PipelineStage:
                 work.wait()
         return [[t for t in row if t >= 0] for row in rows]
 
+    def share_drafts(self, drafts: list[list[int]] | None, num_reqs: int, k: int) -> list[list[int]]:
+        """The last stage's proposal (``drafts`` there, None elsewhere: a proposer that reads
+        the target's pass lives on the last stage alone) on rank 0, whose scheduler keeps it.
+        It travels as ``[requests, k]`` padded with -1; the ranks that neither propose nor
+        schedule get no drafts."""
+        rows = torch.full((num_reqs, k), -1, dtype=torch.long)
+        if drafts is not None:
+            for i, tokens in enumerate(drafts):
+                rows[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        (rows,) = last_stage_to_rank0([rows.to(self.device)])
+        if drafts is not None:
+            return drafts
+        if parallel_state().rank != 0:
+            return [[] for _ in range(num_reqs)]
+        return [[t for t in row if t >= 0] for row in rows.tolist()]
+
     def share_logprobs(
         self, logprobs: LogprobsTensors | None, num_reqs: int, k: int | None,
         prompt_logprobs: dict[str, LogprobsTensors], prompt_rows: list[tuple[str, int, int]],

@@ -27,6 +27,7 @@ checks what it returns.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -49,7 +50,7 @@ from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner, capture_sizes
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
 from pagelm.worker.pending_step import logprobs_lists
 from pagelm.worker.sampling_inputs import build_sampling_metadata
-from pagelm.worker.step_state import host_sync_point
+from pagelm.worker.step_state import StepInputs, host_sync_point
 
 logger = logging.getLogger("pagelm")
 
@@ -96,10 +97,20 @@ class SpecDecodeRunner:
     ``ModelRunner`` methods and attributes; the runner calls ``execute``, ``propose``,
     ``capture_cuda_graphs`` and its ``proposer``'s ``may_draft`` / ``attention_layers``."""
 
-    def __init__(self, proposer: Proposer, max_model_len: int) -> None:
+    def __init__(
+        self, proposer: Proposer | None, num_speculative_tokens: int, max_model_len: int,
+        drafts_from_last_stage: bool = False,
+    ) -> None:
+        # None: a pipeline stage before the last, whose drafts come from the last stage.
         self.proposer = proposer
-        self.num_speculative_tokens = proposer.num_speculative_tokens
+        self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = max_model_len
+        # Pipeline parallelism with a proposer that reads the target's pass: it lives on the
+        # last stage, which sends each proposal to rank 0 (``PipelineStage.share_drafts``).
+        self.drafts_from_last_stage = drafts_from_last_stage
+        # Whether a launched step's inputs must outlive later launches: the last stage
+        # proposes from a step when the engine finishes it, after later steps are launched.
+        self.keeps_launched_steps = drafts_from_last_stage and proposer is not None
         self.rejection_sampler = RejectionSampler()
         self.graphs: CudaGraphRunner | None = None  # verification graphs (CUDA only)
 
@@ -236,8 +247,10 @@ class SpecDecodeRunner:
         the proposer, checked. ``ahead``: the next step is already launched (async
         scheduling), so drafts would come too late; the engine launched it only because the
         proposer said nobody may draft (``Proposer.may_draft``)."""
-        assert not (ahead and self.proposer.needs_every_step), f"proposer {self.proposer.name!r} ran behind a launched step"
         n = len(states)
+        if self.proposer is None:  # a stage before the last: rank 0 receives the last stage's
+            return runner.pipeline.share_drafts(None, n, self.num_speculative_tokens)
+        assert not (ahead and self.proposer.needs_every_step), f"proposer {self.proposer.name!r} ran behind a launched step"
         counts_np, starts_np = np.asarray(counts, dtype=np.int64), np.asarray(starts, dtype=np.int64)
         num_drafts = np.zeros(n, dtype=np.int64) if num_drafts is None else num_drafts
         num_sampled = np.fromiter((len(o) for o in out_ids), dtype=np.int64, count=n)
@@ -260,7 +273,29 @@ class SpecDecodeRunner:
         # scheduler needs back (EAGLE).
         with host_sync_point():
             drafts = self.proposer.propose_step(finished)
-        return checked_drafts(self.proposer, drafts, n, runner.vocab_size)
+        drafts = checked_drafts(self.proposer, drafts, n, runner.vocab_size)
+        if self.drafts_from_last_stage:
+            return runner.pipeline.share_drafts(drafts, n, self.num_speculative_tokens)
+        return drafts
+
+    def keep_inputs(self, runner, step: StepInputs, states) -> StepInputs:
+        """A copy of a launched step's inputs that later launches leave alone (they rewrite
+        the persistent buffers and may give a freed block-table row to another request),
+        for a proposal made when the engine finishes the step (pipeline parallelism)."""
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        common = step.common
+        kept = dataclasses.replace(
+            common,
+            **{f: getattr(common, f).clone() for f in (
+                "query_start_loc", "seq_lens", "block_table", "slot_mapping", "query_start_loc_cpu", "seq_lens_cpu",
+            )},
+        )
+        return dataclasses.replace(
+            step, common=kept,
+            input_ids=None if step.input_ids is None else step.input_ids.clone(),
+            positions=None if step.positions is None else step.positions.clone(),
+            block_table_rows=runner.block_table_cpu[rows],
+        )
 
     def _target_pass(self, runner, step, hidden, finished: FinishedStep, starts_np, counts_np, out_ids) -> TargetPass:
         """The step's forward pass as the proposer sees it; its device tensors only for a
@@ -276,6 +311,10 @@ class SpecDecodeRunner:
             (o[-1] if o else s.token_ids[c + cnt] for o, s, c, cnt in zip(out_ids, states, starts_np.tolist(), counts_np.tolist())),
             dtype=np.int64, count=n,
         )
+        # The requests' block-table rows: the runner's, or those kept at launch.
+        table, table_rows = runner.block_table_cpu, rows
+        if isinstance(step, StepInputs) and step.block_table_rows is not None:
+            table, table_rows = step.block_table_rows, np.arange(n)
         input_ids = positions = common = None
         if not self.proposer.uses_target_pass:
             hidden = None
@@ -284,7 +323,7 @@ class SpecDecodeRunner:
         else:
             input_ids = torch.tensor([s.token_ids[c] for s, c in zip(states, starts_np.tolist())]).to(runner.device)
             positions = torch.from_numpy(starts_np).to(runner.device)
-            common = decode_attention_metadata(runner.block_table_cpu, rows, starts_np, runner.block_size, runner.device)
+            common = decode_attention_metadata(table, table_rows, starts_np, runner.block_size, runner.device)
         return TargetPass(
             input_ids=input_ids,
             positions=positions,
@@ -293,8 +332,8 @@ class SpecDecodeRunner:
             last_token_index=last_index,
             last_token_position=starts_np + last_index - first,
             next_token_ids=next_tokens,
-            block_table_cpu=runner.block_table_cpu,
-            rows=rows,
+            block_table_cpu=table,
+            rows=table_rows,
             block_size=runner.block_size,
             build_attention_metadata=runner.metadata_builder.build,
         )

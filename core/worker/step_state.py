@@ -7,6 +7,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagelm.attention import CommonAttentionMetadata
@@ -46,6 +47,9 @@ class StepInputs:
     # Image embeddings at this step's placeholder positions: ``(embeddings [n, hidden],
     # is_multimodal [num_tokens] bool)``; None when the step covers none (text never has them).
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The requests' whole block-table rows, kept with a copy of the step for a proposer that
+    # runs after later launches (``SpecDecodeRunner.keep_inputs``); None: read the runner's.
+    block_table_rows: np.ndarray | None = None
 
 
 @contextmanager

@@ -25,7 +25,7 @@ import torch
 from pagelm.attention import attention_layers
 from pagelm.attention.selector import select_attention_backend
 from pagelm.config import EngineConfig
-from pagelm.distributed import destroy_distributed, init_distributed
+from pagelm.distributed import destroy_distributed, init_distributed, parallel_state
 from pagelm.kv_offload import KVTransfers
 from pagelm.multimodal import MultiModalProcessor, SupportsMultiModal
 from pagelm.plugin_manager import get_plugin_manager
@@ -58,7 +58,9 @@ def load_runner(config, hf_config, device, dtype, eos_token_ids, max_model_len) 
     configured loader, its attention backend chosen (every rank chooses the same), in a
     runner; with ``speculative_config``, the proposer too (every rank builds its own: a draft
     model's layers are split over the ranks like the target's, and every rank verifies and
-    proposes each step as rank 0 does). The layers include the proposer's (KV caches)."""
+    proposes each step as rank 0 does; under pipeline parallelism a proposer that reads the
+    target's pass lives on the last stage alone, which sends its drafts to rank 0). The
+    layers include the proposer's (KV caches)."""
     plugins = get_plugin_manager()
     model = plugins.collect("model loader").get(config.load_format).load(config, hf_config, device, dtype)
     layers = attention_layers(model)
@@ -68,9 +70,13 @@ def load_runner(config, hf_config, device, dtype, eos_token_ids, max_model_len) 
         _mm_processor(config, hf_config, model),
     )
     if config.speculative_config is not None:
-        proposer = plugins.collect("speculative proposer").get(config.speculative.method)(config, model, device, dtype)
-        runner.enable_speculative_decoding(proposer)
-        layers = layers + list(proposer.attention_layers())
+        proposer_cls = plugins.collect("speculative proposer").get(config.speculative.method)
+        on_last_stage = config.pipeline_parallel_size > 1 and proposer_cls.uses_target_pass
+        proposer = None  # drafts come from the last stage
+        if not on_last_stage or parallel_state().is_last_stage:
+            proposer = proposer_cls(config, model, device, dtype)
+            layers = layers + list(proposer.attention_layers())
+        runner.enable_speculative_decoding(proposer, drafts_from_last_stage=on_last_stage)
     return runner, layers
 
 

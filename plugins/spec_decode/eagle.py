@@ -28,21 +28,28 @@ from torch import nn
 
 from pagelm import hookimpl
 from pagelm.attention import ForwardContext, attention_layers, forward_context
-from pagelm.models.loader import default_dtype, iterate_weights
+from pagelm.models.layers import VocabParallelEmbedding
+from pagelm.models.loader import checkpoint_tensor, default_dtype, iterate_weights
+from pagelm.models.pipeline import MissingLayer
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 
-PAGELM_PLUGIN_API = "2.15"
+PAGELM_PLUGIN_API = "2.16"
 
 
 class EagleProposer(DraftProposer):
     name = "eagle"
     uses_token_ids = False
+    # Under pipeline parallelism the head lives on the last stage (the target's hidden states
+    # and LM head are there) with a copy of the target's embedding (``load_eagle_head``).
+    supports_pipeline_parallel = True
 
     def __init__(self, config, target: nn.Module, device, dtype) -> None:
         super().__init__(config, target, device, dtype)
         self.target = target
-        self.head = load_eagle_head(Path(self.speculative.model).expanduser(), target, device, dtype)
+        self.head = load_eagle_head(
+            Path(self.speculative.model).expanduser(), target, device, dtype, Path(config.model).expanduser()
+        )
 
     @classmethod
     def validate(cls, config) -> list[str]:
@@ -98,9 +105,13 @@ class EagleProposer(DraftProposer):
         return drafts
 
 
-def load_eagle_head(path: Path, target: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def load_eagle_head(
+    path: Path, target: nn.Module, device: torch.device, dtype: torch.dtype, target_path: Path | None = None
+) -> nn.Module:
     """Build the head ``Eagle<architecture>`` for ``path``'s config.json, load its weights and
-    give it the target's embedding (unless it has its own)."""
+    give it the target's embedding (unless it has its own). On a pipeline stage without
+    the embedding (the last, where the head lives) it loads its own copy from the target's
+    checkpoint at ``target_path``."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)  # a head is one of pagelm's own architectures
@@ -116,13 +127,31 @@ def load_eagle_head(path: Path, target: nn.Module, device: torch.device, dtype: 
     loaded = head.load_weights(weights.items())
     if not config.eagle_own_embedding:
         embed = getattr(target, "get_input_embeddings", None)
-        head.share_embedding(embed() if embed is not None else target.model.embed_tokens)
+        embed = embed() if embed is not None else target.model.embed_tokens
+        if isinstance(embed, MissingLayer):
+            embed = _embedding_copy(target_path, config, device, dtype)
+        head.share_embedding(embed)
     missing = sorted(
         n for n, _ in head.named_parameters() if n not in loaded and (config.eagle_own_embedding or not n.startswith("embed_tokens."))
     )
     if missing:
         raise ValueError(f"EAGLE head {path}: weights missing: {missing[:8]}")
     return head.eval()
+
+
+def _embedding_copy(target_path: Path | None, config, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The target's embedding, split over this stage's tensor-parallel ranks as the first
+    stage's is, read from its checkpoint (the one tensor only)."""
+    weight = None if target_path is None else checkpoint_tensor(target_path, "model.embed_tokens.weight")
+    if weight is None:
+        raise ValueError(
+            f"the EAGLE head needs the target's embedding on the last pipeline stage, and the checkpoint "
+            f"{target_path} has no 'model.embed_tokens.weight' (load_format='dummy' has no checkpoint)"
+        )
+    with torch.device(device), default_dtype(dtype):
+        embed = VocabParallelEmbedding(weight.shape[0], weight.shape[1])
+    embed.weight.weight_loader(embed.weight, weight.to(device, dtype))
+    return embed
 
 
 def _iterate_weights(path: Path):

@@ -37,9 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagelm import hookimpl
+from pagelm.models.pipeline import MissingLayer
 from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 
-PAGELM_PLUGIN_API = "2.15"
+PAGELM_PLUGIN_API = "2.16"
 
 _WEIGHT = re.compile(r"(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)")
 
@@ -120,6 +121,8 @@ class MedusaProposer(DraftProposer):
     name = "medusa"
     uses_token_ids = False
     needs_every_step = False  # no KV cache, no state: a step's hidden states are all it reads
+    # Under pipeline parallelism the heads live on the last stage, beside the hidden states.
+    supports_pipeline_parallel = True
 
     def __init__(self, config, target: nn.Module, device, dtype) -> None:
         super().__init__(config, target, device, dtype)
@@ -169,7 +172,11 @@ def load_medusa_heads(path: Path, target: nn.Module, device: torch.device, dtype
     if "0.0.linear.weight" not in weights:
         raise ValueError(f"Medusa heads {path}: no weight '0.0.linear.weight' (Medusa-1's layout)")
     hidden = int(weights["0.0.linear.weight"].shape[-1])
-    target_hidden = target.get_input_embeddings().weight.shape[-1]
+    embed = target.get_input_embeddings()
+    # A pipeline stage without the embedding (the last) reads the width from the config.
+    target_hidden = (
+        target.config.get_text_config().hidden_size if isinstance(embed, MissingLayer) else embed.weight.shape[-1]
+    )
     if hidden != target_hidden:
         raise ValueError(f"Medusa heads {path}: hidden size {hidden}, the target's is {target_hidden}")
     lm = weights.get(f"0.{num_layers}.weight")
