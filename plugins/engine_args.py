@@ -31,7 +31,7 @@ _HELP = {
     "preemption_mode": "auto (swap a victim to the CPU tier where copying is cheaper), swap or recompute",
     "max_model_len": "longest sequence (prompt + output); default from config.json",
     "max_num_seqs": "most requests in one step",
-    "max_num_batched_tokens": "most tokens in one step",
+    "max_num_batched_tokens": "most tokens in one step (unset: 8192 on CUDA, 2048 on CPU)",
     "enable_prefix_caching": "reuse KV blocks of identical prefixes",
     "long_prefill_token_threshold": "cap on one request's prefill chunk per step (0 = off)",
     "max_num_partial_prefills": "most requests with an unfinished prompt per step",

@@ -159,6 +159,27 @@ def test_rotary_rotates_q_and_k_in_place_like_the_reference(dtype, head_dim, rot
     assert torch.equal(qkv[:, v_and_pad], before[:, v_and_pad])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (64, 32)])
+def test_rotary_reference_is_the_textbook_rotation_bit_for_bit(dtype, head_dim, rotary_dim):
+    """The reference's ``x * [cos, cos] + [x2, x1] * [-sin, sin]`` gives the very bits of
+    ``[x1 cos - x2 sin, x2 cos + x1 sin]`` (in float32, then rounded), which it replaced."""
+    qkv, q, k, _ = fused_qkv(5, 4, 2, head_dim, dtype)
+    positions = torch.tensor([0, 63, 7, 7, 30], device=DEVICE)
+    cache = cos_sin_cache(64, rotary_dim)
+    cos, sin = cache[positions].unsqueeze(1).chunk(2, dim=-1)
+
+    def textbook(x):
+        heads = x.view(5, -1, head_dim)
+        x1, x2 = heads[..., :rotary_dim].float().chunk(2, dim=-1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
+        return torch.cat([rotated, heads[..., rotary_dim:]], dim=-1).view_as(x)
+
+    out_q, out_k = reference.rotary_embedding(positions, q, k, cache, head_dim, rotary_dim)
+    assert not torch.equal(out_q, q)
+    assert torch.equal(out_q, textbook(q)) and torch.equal(out_k, textbook(k))
+
+
 def test_rotary_leaves_dims_past_rotary_dim_untouched():
     head_dim, rotary_dim = 64, 16
     qkv, q, k, _ = fused_qkv(2, 2, 1, head_dim, torch.float32)

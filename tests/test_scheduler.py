@@ -1,7 +1,7 @@
 """Scheduler mechanism with the FCFS policy, driven without a model: each step's
 ModelRunnerOutput is built by hand (token 7 for every request that reached its end)."""
 
-from pagelm.config import EngineConfig
+from pagelm.config import EngineConfig, default_max_num_batched_tokens
 from pagelm.kv_cache import KVCacheManager, make_block_hasher
 from pagelm.plugins.policies.fcfs import FCFSPolicy
 from pagelm.request import Request, RequestStatus
@@ -171,3 +171,24 @@ def test_prefix_hits_skip_computed_tokens():
     out = step(sched)
     assert out.scheduled_new_reqs[0].num_computed_tokens == 8
     assert out.num_scheduled_tokens["b"] == 1
+
+
+def test_step_budget_defaults_by_device_when_not_given():
+    # Unset: the device's default (smaller on CPU, where a smaller step is faster per token).
+    assert default_max_num_batched_tokens("cpu") == 2048
+    assert default_max_num_batched_tokens("cuda") == 8192
+    assert EngineConfig(model="unused", device="cpu").max_num_batched_tokens == 2048
+    # device="cuda" is resolved lazily (resolved_device checks CUDA), so it needs no GPU here.
+    assert EngineConfig(model="unused", device="cuda:1").max_num_batched_tokens == 8192
+    # Given: kept, on either device.
+    assert EngineConfig(model="unused", device="cpu", max_num_batched_tokens=8192).max_num_batched_tokens == 8192
+    assert EngineConfig(model="unused", device="cuda", max_num_batched_tokens=512).max_num_batched_tokens == 512
+
+
+def test_cpu_default_budget_splits_a_longer_prompt():
+    config = EngineConfig(model="unused", block_size=BS, device="cpu")
+    sched = Scheduler(config, KVCacheManager(1024, BS, True), FCFSPolicy(config), max_model_len=4096)
+    sched.add_request(make_request("long", 3000, max_tokens=1))
+    first, second = step(sched), step(sched)
+    assert first.num_scheduled_tokens == {"long": 2048}
+    assert second.num_scheduled_tokens == {"long": 952}

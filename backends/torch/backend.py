@@ -6,9 +6,10 @@ step is laid out once in the metadata builder, and each layer then makes a few l
 calls rather than a loop of small ones per request:
 
 * **decode rows** (one query token each) attend together in one
-  ``scaled_dot_product_attention`` call over their blocks gathered with one ``index_select``
-  (a padded ``[batch, kv_heads, blocks * block_size, head_dim]`` view; a boolean mask hides
-  the padding). Grouped-query heads share their K/V through ``enable_gqa``, never copied.
+  ``scaled_dot_product_attention`` call over their blocks, keys and values gathered with one
+  ``index_select`` (a padded ``[batch, kv_heads, blocks * block_size, head_dim]`` view; an
+  additive mask, made once per step, hides the padding). Grouped-query heads share their
+  K/V through ``enable_gqa``, never copied.
 * **prefill rows** (several query tokens) run one call each: a prompt with nothing cached
   attends over the step's own keys with ``is_causal`` (no mask); a chunk after a cached
   prefix gathers its blocks and passes the offset causal mask. Both as 4-D tensors, which
@@ -37,12 +38,15 @@ from pagelm.attention import (
 class DecodeRows:
     """The step's one-token requests, batched: which tokens they are (None: tokens
     ``0..n-1``, the whole step), their blocks flattened row by row, and which of the padded
-    key positions each may see."""
+    key positions each may see (as a bool, and as the float32 mask attention adds, 0 or
+    -inf: every layer without a sliding window shares it)."""
 
     token_index: torch.Tensor | None  # [n] int64
     block_ids: torch.Tensor  # [n * blocks_per_row] int64
     blocks_per_row: int
     seq_lens: torch.Tensor  # [n] int64, on the block table's device
+    visible: torch.Tensor  # [n, blocks_per_row * block_size] bool
+    mask: torch.Tensor  # [n, 1, 1, blocks_per_row * block_size] float32
 
 
 @dataclass
@@ -83,11 +87,16 @@ class TorchMetadataBuilder(AttentionMetadataBuilder):
             width = -(-max(seq_lens[i] for i in decodes) // block_size)
             rows = torch.tensor(decodes, device=common.block_table.device)
             all_tokens = len(decodes) == common.num_actual_tokens
+            decode_lens = torch.tensor([seq_lens[i] for i in decodes], device=rows.device)
+            visible = torch.arange(width * block_size, device=rows.device)[None, :] < decode_lens[:, None]
+            mask = torch.zeros(visible.shape, device=rows.device).masked_fill_(~visible, float("-inf"))
             decode = DecodeRows(
                 token_index=None if all_tokens else torch.tensor([qsl[i] for i in decodes], device=rows.device),
                 block_ids=common.block_table[rows, :width].long().flatten(),
                 blocks_per_row=width,
-                seq_lens=torch.tensor([seq_lens[i] for i in decodes], device=rows.device),
+                seq_lens=decode_lens,
+                visible=visible,
+                mask=mask[:, None, None, :],
             )
         return TorchAttentionMetadata(common, decode, prefills)
 
@@ -110,7 +119,7 @@ class TorchAttentionImpl(AttentionImpl):
             rows = metadata.decode
             n = rows.seq_lens.shape[0]
             q = query[:n] if rows.token_index is None else query.index_select(0, rows.token_index)
-            o = self._decode(q, key_cache, value_cache, rows)
+            o = self._decode(q, kv_cache, rows)
             if rows.token_index is None:
                 out[:n] = o
             else:
@@ -120,26 +129,24 @@ class TorchAttentionImpl(AttentionImpl):
             if row.block_ids is None:
                 k, v = key[row.start : row.end], value[row.start : row.end]
             else:
-                k = _gather(key_cache, row.block_ids)[: row.seq_len]
-                v = _gather(value_cache, row.block_ids)[: row.seq_len]
+                k, v = _gather(kv_cache, row.block_ids)[:, : row.seq_len]
             out[row.start : row.end] = self._prefill(q, k, v, row.seq_len)
         return out.view(-1, spec.num_heads * spec.head_dim)
 
-    def _decode(self, q, key_cache, value_cache, rows: DecodeRows) -> torch.Tensor:
+    def _decode(self, q, kv_cache, rows: DecodeRows) -> torch.Tensor:
         """``q`` [n, heads, dim] -> [n, heads, dim], each row over its own padded blocks."""
         spec = self.spec
-        n, width = q.shape[0], rows.blocks_per_row * key_cache.shape[1]
-        k = _gather(key_cache, rows.block_ids).view(n, width, spec.num_kv_heads, spec.head_dim)
-        v = _gather(value_cache, rows.block_ids).view(n, width, spec.num_kv_heads, spec.head_dim)
-        k_pos = torch.arange(width, device=q.device)[None, :]
-        visible = k_pos < rows.seq_lens[:, None]
+        n, width = q.shape[0], rows.visible.shape[1]
+        k, v = _gather(kv_cache, rows.block_ids).view(2, n, width, spec.num_kv_heads, spec.head_dim)
+        mask = rows.mask
         if spec.sliding_window is not None:
-            visible &= k_pos >= rows.seq_lens[:, None] - spec.sliding_window
+            k_pos = torch.arange(width, device=q.device)[None, :]
+            mask = (rows.visible & (k_pos >= rows.seq_lens[:, None] - spec.sliding_window))[:, None, None, :]
         o = F.scaled_dot_product_attention(
             q[:, :, None].float(),
             k.transpose(1, 2).float(),
             v.transpose(1, 2).float(),
-            attn_mask=visible[:, None, None, :],
+            attn_mask=mask,
             scale=spec.scale,
             enable_gqa=spec.num_heads != spec.num_kv_heads,
         )
@@ -170,10 +177,11 @@ class TorchAttentionImpl(AttentionImpl):
         return o[0].transpose(0, 1).to(q.dtype)
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """``cache``'s blocks ``block_ids`` as one ``[len * block_size, kv_heads, dim]`` tensor
-    (``index_select``: several times faster on the CPU than indexing with a tensor)."""
-    return cache.index_select(0, block_ids).flatten(0, 1)
+def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Keys and values of blocks ``block_ids`` as one ``[2, len * block_size, kv_heads, dim]``
+    tensor: one ``index_select`` for both (several times faster on the CPU than indexing
+    with a tensor)."""
+    return kv_cache.index_select(1, block_ids).flatten(1, 2)
 
 
 def _causal_mask(query_len: int, seq_len: int, sliding_window: int | None, device) -> torch.Tensor:

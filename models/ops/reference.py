@@ -33,7 +33,11 @@ def rotary_embedding(
     ``cos_sin_cache`` is float32 ``[max_position, rotary_dim]``: cos of each frequency, then
     sin. The first ``rotary_dim`` dims of each head rotate in float32; the rest pass through.
     """
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim / 2]
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim / 2]
+    # Both halves in one multiply-add, ``x * [cos, cos] + [x2, x1] * [-sin, sin]``: the same
+    # products and sums as ``[x1 cos - x2 sin, x2 cos + x1 sin]`` (negation is exact), so the
+    # same bits, in a third fewer ops (what a CPU decode step of a few tokens pays for).
+    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
     return _rotate(q, cos, sin, head_dim, rotary_dim), _rotate(k, cos, sin, head_dim, rotary_dim)
 
 
@@ -41,8 +45,9 @@ def _rotate(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, rotary_dim: int
 ) -> torch.Tensor:
     heads = x.view(x.shape[0], -1, head_dim)
-    x1, x2 = heads[..., :rotary_dim].float().chunk(2, dim=-1)
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    part = heads[..., :rotary_dim].float()
+    x1, x2 = part.chunk(2, dim=-1)
+    rotated = (part * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)
     if rotary_dim < head_dim:
         rotated = torch.cat([rotated, heads[..., rotary_dim:]], dim=-1)
     return rotated.view_as(x)
