@@ -271,3 +271,29 @@ def test_hook_pagelm_register_data_parallel(llama_dir, monkeypatch):
         outs = llm.generate(_prompts(2), GREEDY, use_tqdm=False)
         assert type(llm.engine.core) is CountingReplicas and CountingReplicas.made == 1
     assert [len(o.outputs[0].token_ids) for o in outs] == [10, 10]
+
+
+def test_a_replica_that_fails_to_start_raises_its_own_error_and_frees_the_others(llama_dir):
+    # The second replica's start fails (on a GPU: its device's memory, say): the caller sees
+    # that error, not one from the cleanup, and the first replica is shut down.
+    from pagelm.config import EngineConfig
+    from pagelm.engine.engine_core import EngineCore
+    from pagelm.plugins.data_parallel.replicas import DataParallelCore
+
+    shut_down = []
+
+    class Replica(EngineCore):
+        def shutdown(self):
+            shut_down.append(self)
+            super().shutdown()
+
+    def factory(config, eos_token_ids):
+        if shut_down or getattr(factory, "made", 0):
+            raise RuntimeError("replica 1 could not start")
+        factory.made = 1
+        return Replica(config, eos_token_ids)
+
+    config = EngineConfig(model=str(llama_dir), dtype="float32", data_parallel_size=2)
+    with pytest.raises(RuntimeError, match="replica 1 could not start"):
+        DataParallelCore(config, frozenset(), factory)
+    assert len(shut_down) == 1

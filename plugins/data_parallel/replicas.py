@@ -54,6 +54,7 @@ class DataParallelCore:
         raise_problems(f"data_parallel_size={n}", problems)
         self.router = router_cls(config, n)
         self.replicas: list[Any] = []
+        self._tasks: list[asyncio.Task] = []  # before the replicas: a failed start shuts down
         try:
             for i in range(n):
                 self.replicas.append(core_factory(replica_config(config, i), eos_token_ids))
@@ -71,7 +72,6 @@ class DataParallelCore:
         self._pending_prompt = [0] * n
         self._stats = [SchedulerStats(num_free_blocks=r.num_kv_blocks, num_kv_blocks=r.num_kv_blocks) for r in self.replicas]
         self._outputs: asyncio.Queue | None = None
-        self._tasks: list[asyncio.Task] = []
 
     # ---- requests ------------------------------------------------------------------------
     def loads(self) -> list[ReplicaLoad]:
