@@ -19,7 +19,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from typing import Any
+
+import torch
 
 from pagelm.config import EngineConfig
 from pagelm.engine.core_client import CoreStep, EngineDeadError, next_output
@@ -40,6 +43,13 @@ def replica_config(config: EngineConfig, index: int) -> EngineConfig:
     return dataclasses.replace(config, data_parallel_size=1, device=device)
 
 
+def on_device(device: str | torch.device | None):
+    """Replicas of one process are on different GPUs: while one starts or steps, its GPU is
+    the current device, where CUDA graphs are captured and Triton launches its kernels."""
+    device = torch.device(device) if device and str(device).startswith("cuda:") else None
+    return torch.cuda.device(device) if device is not None else nullcontext()
+
+
 class DataParallelCore:
     def __init__(self, config: EngineConfig, eos_token_ids: frozenset[int], core_factory: Callable[..., Any]) -> None:
         n = config.data_parallel_size
@@ -57,7 +67,9 @@ class DataParallelCore:
         self._tasks: list[asyncio.Task] = []  # before the replicas: a failed start shuts down
         try:
             for i in range(n):
-                self.replicas.append(core_factory(replica_config(config, i), eos_token_ids))
+                replica = replica_config(config, i)
+                with on_device(replica.device if in_process else "cpu"):  # a process sets its own
+                    self.replicas.append(core_factory(replica, eos_token_ids))
         except BaseException:
             self.shutdown()
             raise
@@ -135,7 +147,8 @@ class DataParallelCore:
         for i, replica in enumerate(self.replicas):
             if replica.has_unfinished_requests():
                 try:
-                    outputs += replica.step()
+                    with on_device(replica.device):
+                        outputs += replica.step()
                 except Exception as exc:
                     raise RuntimeError(f"data-parallel replica {i}: {type(exc).__name__}: {exc}") from exc
         self._account(outputs)
@@ -169,7 +182,8 @@ class DataParallelCore:
         for task in tasks:
             task.cancel()
         for replica in self.replicas:
-            replica.shutdown()
+            with on_device(getattr(replica, "device", "cpu")):  # an in-process core's
+                replica.shutdown()
 
 
 def sum_stats(stats: list) -> Any:
