@@ -124,8 +124,12 @@ def test_two_gpus_data_parallel_replicas_in_one_process_equal_one(make_model):
     """The offline path (``LLM``, ``pagelm bench throughput --data-parallel-size 2``): both
     replicas' engine cores in this process, each on its own GPU with its own CUDA graphs."""
     model_dir = make_model("gpu2_llama", "llama")
-    with LLM(str(model_dir), device="cuda", dtype="float32", gpu_memory_utilization=0.3, data_parallel_size=2) as llm:
-        devices = sorted(str(r.device) for r in llm.engine.core.replicas)
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+    def dp2():  # the engine is gone when it returns: the one-GPU run sizes its KV pool after it
+        with LLM(str(model_dir), device="cuda", dtype="float32", gpu_memory_utilization=0.3, data_parallel_size=2) as llm:
+            devices = sorted(str(r.device) for r in llm.engine.core.replicas)
+            return devices, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+    devices, got = dp2()
     assert devices == ["cuda:0", "cuda:1"]
     assert got == _run(model_dir, "float32")

@@ -279,6 +279,10 @@ class CudaGraphRunner:
         may share one, since they never replay at once); returns the pool."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        # A capture stream of this runner's GPU: torch's default one is made once per process,
+        # on the GPU current then, and entering it makes that GPU current (two data-parallel
+        # replicas of one process would capture the second's graphs on the first's GPU).
+        stream = torch.cuda.Stream(self.staging_dev.device)
         self.staging_dev.zero_()  # every row a padding row: nothing is stored while capturing
         # Largest first: smaller graphs reuse the memory pool the largest one reserved.
         for size in reversed(self.sizes):
@@ -292,7 +296,7 @@ class CudaGraphRunner:
                 self._step(size, md)  # warm-up: autotuning and lazy allocations happen outside capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.outputs[(size, variant)] = self._step(size, md)
                 self.graphs[(size, variant)] = graph
         torch.cuda.synchronize()
