@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from pagelm import LLM, SamplingParams
 from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
+from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs
 from pagelm.plugins.spec_decode.medusa import MedusaHeads
 from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner
 from pagelm.worker.input_buffers import InputBuffers
@@ -154,6 +155,14 @@ def eager_graphs(monkeypatch):
 
     monkeypatch.setattr(CudaGraphRunner, "capture", capture)
     monkeypatch.setattr(CudaGraphRunner, "replay", replay)
+    # The EAGLE head's drafting passes 2..k: the same emulation.
+    monkeypatch.setattr(EagleDraftGraphs, "capture", capture)
+    monkeypatch.setattr(EagleDraftGraphs, "replay", replay_drafts)
+
+
+def replay_drafts(self, size):
+    self.num_replays += 1
+    return self._step(size, self._captured[size])
 
 
 PROMPTS = [
@@ -209,6 +218,45 @@ def test_eagle_drafts_the_same_from_a_verification_graph_step(make_model, tmp_pa
     model = make_model("spec_llama", "llama")
     train_eagle_head(model, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
     _drafts_the_same_with_and_without_graphs(model, {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")})
+
+
+def test_eagle_drafting_pass_graphs_draft_what_the_eager_passes_draft(make_model, tmp_path, triton_on_cpu, eager_graphs):
+    """Passes 2..k replayed from the head's graphs (padded batches, every pass over every
+    row) give every proposal exactly the drafts of the eager passes (over the requests still
+    drafting), step by step, and the same greedy tokens as decoding without speculation."""
+    model = make_model("spec_llama", "llama")
+    train_eagle_head(model, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
+    config = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
+    proposals = {}
+    for graphs in (True, False):
+        llm = LLM(str(model), dtype="float32", block_size=8, attention_backend="triton", max_num_seqs=8,
+                  max_num_batched_tokens=32, speculative_config=config)
+        runner = llm.engine.core.runner
+        if graphs:
+            runner.capture_cuda_graphs()
+        proposer = runner.spec.proposer
+        seen = proposals[graphs] = []
+        propose = proposer.propose
+
+        def recording_propose(batch, propose=propose, seen=seen):
+            drafts = propose(batch)
+            seen.append(drafts)
+            return drafts
+
+        proposer.propose = recording_propose
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        assert tokens == _plain_tokens(model)
+        if graphs:
+            assert proposer.graphs.sizes == [1, 2, 4, 8] and proposer.graphs.num_replays > 0
+        else:
+            assert proposer.graphs is None
+        del llm, runner, proposer
+        gc.collect()
+    assert proposals[True] == proposals[False]
+    assert sum(len(d) for step in proposals[True] for d in step) > 0
+    # Some proposals capped a request below k (near max_tokens): the graph's rows past a
+    # request's cap are cut, as the eager passes never compute them.
+    assert any(0 < len(d) < 3 for step in proposals[True] for d in step)
 
 
 def test_medusa_drafts_the_same_from_a_verification_graph_step(make_model, tmp_path, triton_on_cpu, eager_graphs):

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagelm.attention import Attention, CommonAttentionMetadata
+from pagelm.attention import Attention, AttentionMetadataBuilder, CommonAttentionMetadata
 from pagelm.registry import PluginError
 
 if TYPE_CHECKING:
@@ -117,6 +117,26 @@ class FinishedStep:
     @property
     def num_reqs(self) -> int:
         return len(self.requests)
+
+
+@dataclass(frozen=True)
+class DraftGraphSetup:
+    """What a proposer gets to capture CUDA graphs of its own device work (a draft model's
+    one-token drafting passes), after the target's graphs are captured: on CUDA only, never
+    with ``enforce_eager``, and not under pipeline parallelism. A proposer's graph runs over
+    persistent buffers of its own, with attention metadata from
+    ``builder.build_for_cudagraph`` over them (one query token per request, padding rows
+    ``seq_len`` 1 and slot -1), as the target's decode graphs do."""
+
+    builder: AttentionMetadataBuilder  # the runner's (the attention backend's)
+    # Batch sizes worth a graph (the target's decode sizes, ascending); a batch is padded up.
+    sizes: list[int]
+    max_model_len: int
+    block_size: int
+    max_blocks_per_req: int  # a block-table row's width
+    device: torch.device
+    # The memory pool of the target's graphs: share it (graphs that never replay at once may).
+    pool: Any
 
 
 def decode_attention_metadata(
@@ -208,6 +228,15 @@ class Proposer(ABC):
         (``[]``: no drafts; all ``[]`` when ``step.ahead``). Called once per step, after
         verification: every step, unless ``needs_every_step`` is False (then steps the engine
         runs ahead are handed over with ``ahead`` set, after the fact)."""
+
+    def capture_cuda_graphs(self, setup: DraftGraphSetup) -> None:
+        """Capture CUDA graphs of the proposer's device work, to replay in ``propose_step``
+        (EAGLE: its drafting passes after the first). Called once at start-up when the engine
+        uses CUDA graphs; otherwise the proposer runs eagerly. Default: none."""
+
+    def release_cuda_graphs(self) -> None:
+        """Drop the graphs ``capture_cuda_graphs`` made (the engine is shutting down: every
+        graph goes before the process group). Default: nothing to drop."""
 
     def may_draft(self, requests: Sequence[RequestView]) -> bool:
         """Whether the proposal after the step in flight may give any of ``requests`` (every

@@ -248,7 +248,7 @@ class ModelRunner:
         ``enforce_eager`` it took 1.5 s)."""
         self.cuda_graphs = None
         if self.spec is not None:
-            self.spec.graphs = None
+            self.spec.release_cuda_graphs()
         if self.device.type == "cuda":
             gc.collect()  # a graph's memory goes with its last reference
             torch.cuda.synchronize(self.device)
@@ -262,8 +262,9 @@ class ModelRunner:
             stage=self.pipeline,
         )
         pool = self.cuda_graphs.capture()
-        # Graphs of steps verifying drafts, in the same memory pool (under pipeline
-        # parallelism verification runs eagerly: its graphs hold no stage boundary).
+        # Graphs of steps verifying drafts and the proposer's own, in the same memory pool
+        # (under pipeline parallelism both run eagerly: verification graphs hold no stage
+        # boundary).
         if self.spec is not None and self.pipeline is None:
             self.spec.capture_cuda_graphs(self, pool)
 

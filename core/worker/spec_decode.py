@@ -19,8 +19,9 @@ which the rejection sampler reads each request's last ``1 + d``::
 
 Steps mixing prefill chunks with drafts run eagerly, as do batches above the largest
 captured size and backends whose ``graph_support`` is not ``ALWAYS`` (FlashInfer). A step with no
-drafts at all is plain decode (the one-token graphs). The proposer runs after verification,
-eagerly (the EAGLE head's passes are not captured): it gets the step as a ``FinishedStep``
+drafts at all is plain decode (the one-token graphs). The proposer runs after verification
+(it may replay graphs of its own, ``Proposer.capture_cuda_graphs``: EAGLE's drafting passes
+after the first): it gets the step as a ``FinishedStep``
 (``pagelm.spec_decode.proposer``) and says which requests draft how many tokens; the engine
 checks what it returns.
 """
@@ -40,6 +41,7 @@ from pagelm.sample import RejectionSampler
 from pagelm.sample.sampler import LogprobsTensors
 from pagelm.sampling_params import num_logprobs
 from pagelm.spec_decode.proposer import (
+    DraftGraphSetup,
     FinishedStep,
     Proposer,
     TargetPass,
@@ -117,7 +119,21 @@ class SpecDecodeRunner:
     # ---- verification graphs -------------------------------------------------------------
     def capture_cuda_graphs(self, runner, pool: tuple[int, int] | None) -> None:
         """Capture verification graphs (``q = 1 + k`` tokens per request) into ``pool``, for
-        batch sizes up to ``MAX_VERIFY_GRAPH_BATCH``, when the attention backend can."""
+        batch sizes up to ``MAX_VERIFY_GRAPH_BATCH``, when the attention backend can; then
+        let the proposer capture its own (``Proposer.capture_cuda_graphs``)."""
+        self._capture_verify_graphs(runner, pool)
+        if self.proposer is not None:
+            self.proposer.capture_cuda_graphs(DraftGraphSetup(
+                builder=runner.metadata_builder,
+                sizes=capture_sizes(runner.max_num_reqs, runner.config.max_num_batched_tokens),
+                max_model_len=runner.max_model_len,
+                block_size=runner.block_size,
+                max_blocks_per_req=runner.buffers.max_blocks_per_req,
+                device=runner.device,
+                pool=pool,
+            ))
+
+    def _capture_verify_graphs(self, runner, pool: tuple[int, int] | None) -> None:
         if runner.backend.graph_support != GraphSupport.ALWAYS:
             logger.info(
                 "attention backend %r has no verification graphs: steps verifying drafts run eagerly",
@@ -134,6 +150,11 @@ class SpecDecodeRunner:
             runner.max_model_len, runner.block_size, query_len=q,
         )
         self.graphs.capture(pool)
+
+    def release_cuda_graphs(self) -> None:
+        self.graphs = None
+        if self.proposer is not None:
+            self.proposer.release_cuda_graphs()
 
     def _graph_step(self, runner, states, starts, counts, drafts) -> VerifyGraphStep | None:
         """The step staged for a verification graph, when every request is a decode (its
