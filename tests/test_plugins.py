@@ -160,13 +160,13 @@ def test_declared_api_version_is_recorded(tmp_path, monkeypatch):
 def test_plugin_for_another_major_api_is_rejected_naming_both_versions(tmp_path, monkeypatch):
     # 1.x policies kept the waiting queue on the policy: they cannot run on 2.0.
     install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("1.1"))
-    with pytest.raises(PluginLoadError, match=r"'pagelm_lifo'.*incompatible.*plugin API 1\.1.*provides plugin API 2\.16"):
+    with pytest.raises(PluginLoadError, match=r"'pagelm_lifo'.*incompatible.*plugin API 1\.1.*provides plugin API 2\.17"):
         PluginManager().load_entry_points()
 
 
 def test_plugin_needing_a_newer_minor_api_is_rejected(tmp_path, monkeypatch):
-    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("2.17"))
-    with pytest.raises(PluginLoadError, match=r"declares plugin API 2\.17, newer than this pagelm's plugin API 2\.16"):
+    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("2.18"))
+    with pytest.raises(PluginLoadError, match=r"declares plugin API 2\.18, newer than this pagelm's plugin API 2\.17"):
         PluginManager().load_entry_points()
 
 
