@@ -318,3 +318,36 @@ def test_ngram_greedy_tokens_are_identical_with_and_without_cuda_graphs(make_mod
     assert graph_replays[True] is None
     assert graph_replays[None] > 0
     assert outs[True] == outs[None]
+
+
+@pytest.mark.gpu
+def test_eagle_greedy_tokens_are_identical_with_drafting_graphs_eagerly_and_without_speculation(make_model, tmp_path):
+    """float32 on CUDA: no speculation, EAGLE with every pass eager (``enforce_eager``), and
+    EAGLE with real graphs (decode, verification, and the head's passes 2..k, under async
+    scheduling) give the same greedy tokens."""
+    model_dir = make_model("fast_qwen3", "qwen3", **GPU_SHAPE)
+    train_eagle_head(model_dir, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
+    eagle = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
+    prompts = [{"prompt_token_ids": ([7 + i, 8 + i, 9 + i, 10 + i] * 30)[: 40 + 17 * i]} for i in range(5)]
+    gen = torch.Generator().manual_seed(0)
+    prompts += [{"prompt_token_ids": torch.randint(5, 500, (30 + 20 * i,), generator=gen).tolist()} for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=30 + 9 * i, ignore_eos=True) for i in range(10)]
+    outs, replays, accepted = {}, {}, {}
+    for name, spec, eager in (("plain", None, None), ("eager", eagle, True), ("graphs", eagle, None)):
+        llm = LLM(str(model_dir), device="cuda", dtype="float32", attention_backend="triton", enforce_eager=eager,
+                  gpu_memory_utilization=0.3, max_num_seqs=16, speculative_config=spec)
+        core = llm.engine.core
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if spec is not None:
+            graphs = core.runner.spec.proposer.graphs
+            replays[name] = None if graphs is None else graphs.num_replays
+            accepted[name] = core.scheduler.spec_decoding_stats.num_accepted_tokens
+            if name == "graphs":
+                assert core.async_scheduling
+        del llm, core
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert replays["eager"] is None and replays["graphs"] > 0
+    assert accepted["eager"] > 0 and accepted["graphs"] > 0
+    assert outs["eager"] == outs["plain"]
+    assert outs["graphs"] == outs["plain"]

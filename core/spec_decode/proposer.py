@@ -109,8 +109,8 @@ class FinishedStep:
     num_tokens: np.ndarray  # [n] tokens known after it (prompt + accepted outputs)
     max_model_len: int
     # The next step is launched already (async scheduling): drafts would come too late, so
-    # the engine wants none, and ``target`` is None. It launched it only because
-    # ``may_draft`` said nobody may draft.
+    # the engine wants none, and ``target`` is None unless the proposer sets
+    # ``needs_ahead_target``. It launched it only because ``may_draft`` said nobody may draft.
     ahead: bool
     target: TargetPass | None
 
@@ -187,6 +187,12 @@ class Proposer(ABC):
     # a step ahead under async scheduling whenever ``may_draft`` says nobody may draft;
     # ``propose_step`` then sees that step with ``ahead`` set.
     needs_every_step: ClassVar[bool] = True
+    # Whether steps the engine runs ahead (``FinishedStep.ahead``) still come with their
+    # ``target``: the runner keeps the forward pass of a step in flight when it launches the
+    # next one. A draft model with a KV cache of its own sets it, with ``needs_every_step =
+    # False``, to write its KV for every step while the engine schedules ahead wherever
+    # ``may_draft`` says nobody may draft. Needs ``uses_target_pass``.
+    needs_ahead_target: ClassVar[bool] = False
     # Whether ``propose_step`` reads the target's forward pass (``TargetPass.input_ids``,
     # ``positions``, ``hidden_states``, ``common``: a draft model does). False leaves them
     # None and saves building them on the device every step.

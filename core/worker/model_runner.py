@@ -328,6 +328,8 @@ class ModelRunner:
         samples gets a placeholder at the end of its token list until ``finish``.
         ``defer_sampling``: stop after the forward pass; ``sample`` queues the rest (guided
         requests under async scheduling, whose bitmask waits for the previous step)."""
+        if self._in_flight is not None and self.spec is not None and self.spec.keeps_steps_in_flight:
+            self.spec.keep_in_flight(self, self._in_flight)  # before this step takes its rows and buffers
         self._update_states(sched)
         if self.kv_copier is not None:  # copies between the tiers first (also in an empty step)
             self.kv_copier.before_step(sched)

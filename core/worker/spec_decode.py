@@ -288,7 +288,7 @@ class SpecDecodeRunner:
             ahead=ahead,
             target=None,
         )
-        if not ahead:
+        if not ahead or self.proposer.needs_ahead_target:
             finished.target = self._target_pass(runner, step, hidden, finished, starts_np, counts_np, out_ids)
         # Proposing is not sync-free yet: its small host-to-device inputs, and the drafts the
         # scheduler needs back (EAGLE).
@@ -298,6 +298,27 @@ class SpecDecodeRunner:
         if self.drafts_from_last_stage:
             return runner.pipeline.share_drafts(drafts, n, self.num_speculative_tokens)
         return drafts
+
+    @property
+    def keeps_steps_in_flight(self) -> bool:
+        """Whether a step in flight must keep its forward pass when the next one launches:
+        its proposal, made after that launch, reads it (``Proposer.needs_ahead_target``)."""
+        return self.proposer is not None and self.proposer.needs_ahead_target
+
+    def keep_in_flight(self, runner, pending) -> None:
+        """Before the next launch (async scheduling), which rewrites the input buffers and the
+        graph outputs, and before its new requests take block-table rows: keep what the
+        proposal for ``pending`` reads. A graph step's inputs are rebuilt from the host
+        (``_target_pass``), so its block rows and hidden states are all it keeps."""
+        step = pending.inputs
+        if step is None or pending.hidden is None:
+            return
+        if step.graph_size is None:
+            pending.inputs = self.keep_inputs(runner, step, pending.states)
+            return
+        rows = np.fromiter((s.row for s in pending.states), dtype=np.int64, count=len(pending.states))
+        pending.inputs = dataclasses.replace(step, block_table_rows=runner.block_table_cpu[rows])
+        pending.hidden = pending.hidden.clone()  # a view of the graph's output, which the next replay rewrites
 
     def keep_inputs(self, runner, step: StepInputs, states) -> StepInputs:
         """A copy of a launched step's inputs that later launches leave alone (they rewrite

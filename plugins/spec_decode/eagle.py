@@ -55,6 +55,11 @@ MAX_DRAFT_GRAPH_BATCH = 32
 class EagleProposer(DraftProposer):
     name = "eagle"
     uses_token_ids = False
+    # The head's KV must follow every step, also those the engine runs ahead (async
+    # scheduling, where nobody may draft): those come with their target pass, and pass 1
+    # runs over them with no drafts asked.
+    needs_every_step = False
+    needs_ahead_target = True
     # Under pipeline parallelism the head lives on the last stage (the target's hidden states
     # and LM head are there) with a copy of the target's embedding (``load_eagle_head``).
     supports_pipeline_parallel = True
