@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagelm.attention import Attention, AttentionMetadataBuilder, CommonAttentionMetadata
+from pagelm.attention import Attention, AttentionMetadataBuilder, CommonAttentionMetadata, GraphSupport
 from pagelm.registry import PluginError
 
 if TYPE_CHECKING:
@@ -129,6 +129,9 @@ class DraftGraphSetup:
     ``seq_len`` 1 and slot -1), as the target's decode graphs do."""
 
     builder: AttentionMetadataBuilder  # the runner's (the attention backend's)
+    # The backend's: ``ALWAYS`` also builds graph metadata of ``q > 1`` tokens per request
+    # (as for the target's verification graphs), ``DECODE_ONLY`` of one token only.
+    graph_support: GraphSupport
     # Batch sizes worth a graph (the target's decode sizes, ascending); a batch is padded up.
     sizes: list[int]
     max_model_len: int
@@ -153,15 +156,16 @@ def decode_attention_metadata(
     query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32)
     seq_lens_cpu = torch.from_numpy(seq_lens)
     table_cpu = torch.from_numpy(table)
+    # Copies that do not wait for the stream (a blocking one from pageable memory would).
     return CommonAttentionMetadata(
         num_reqs=num_reqs,
         num_actual_tokens=num_reqs,
         max_query_len=1,
         max_seq_len=max_seq_len,
-        query_start_loc=query_start_loc.to(device),
-        seq_lens=seq_lens_cpu.to(device),
-        block_table=table_cpu.to(device),
-        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start_loc=query_start_loc.to(device, non_blocking=True),
+        seq_lens=seq_lens_cpu.to(device, non_blocking=True),
+        block_table=table_cpu.to(device, non_blocking=True),
+        slot_mapping=torch.from_numpy(slots).to(device, non_blocking=True),
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens_cpu,
         block_size=block_size,

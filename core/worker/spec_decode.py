@@ -51,7 +51,7 @@ from pagelm.spec_decode.proposer import (
 from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner, capture_sizes
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
 from pagelm.worker.pending_step import logprobs_lists
-from pagelm.worker.sampling_inputs import build_sampling_metadata
+from pagelm.worker.sampling_inputs import build_sampling_metadata, to_device
 from pagelm.worker.step_state import StepInputs, host_sync_point
 
 logger = logging.getLogger("pagelm")
@@ -125,6 +125,7 @@ class SpecDecodeRunner:
         if self.proposer is not None:
             self.proposer.capture_cuda_graphs(DraftGraphSetup(
                 builder=runner.metadata_builder,
+                graph_support=runner.backend.graph_support,
                 sizes=capture_sizes(runner.max_num_reqs, runner.config.max_num_batched_tokens),
                 max_model_len=runner.max_model_len,
                 block_size=runner.block_size,
@@ -290,8 +291,7 @@ class SpecDecodeRunner:
         )
         if not ahead or self.proposer.needs_ahead_target:
             finished.target = self._target_pass(runner, step, hidden, finished, starts_np, counts_np, out_ids)
-        # Proposing is not sync-free yet: its small host-to-device inputs, and the drafts the
-        # scheduler needs back (EAGLE).
+        # The drafts come back to the host (EAGLE's, from the device): the proposal's one sync.
         with host_sync_point():
             drafts = self.proposer.propose_step(finished)
         drafts = checked_drafts(self.proposer, drafts, n, runner.vocab_size)
@@ -363,8 +363,8 @@ class SpecDecodeRunner:
         elif step.input_ids is not None:
             input_ids, positions, common = step.input_ids, step.positions, step.common
         else:
-            input_ids = torch.tensor([s.token_ids[c] for s, c in zip(states, starts_np.tolist())]).to(runner.device)
-            positions = torch.from_numpy(starts_np).to(runner.device)
+            input_ids = to_device([s.token_ids[c] for s, c in zip(states, starts_np.tolist())], torch.long, runner.device)
+            positions = torch.from_numpy(starts_np).to(runner.device, non_blocking=True)
             common = decode_attention_metadata(table, table_rows, starts_np, runner.block_size, runner.device)
         return TargetPass(
             input_ids=input_ids,

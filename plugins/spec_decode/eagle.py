@@ -34,13 +34,13 @@ import torch
 from torch import nn
 
 from pagelm import hookimpl
-from pagelm.attention import ForwardContext, attention_layers, forward_context
+from pagelm.attention import ForwardContext, GraphSupport, attention_layers, forward_context
 from pagelm.models.layers import VocabParallelEmbedding
 from pagelm.models.loader import checkpoint_tensor, default_dtype, iterate_weights
 from pagelm.models.pipeline import MissingLayer
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
-from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs, replays_without_host_planning
+from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs, replays_without_host_planning, uniform_query_len
 from pagelm.spec_decode import DraftGraphSetup
 
 PAGELM_PLUGIN_API = "2.17"
@@ -70,7 +70,10 @@ class EagleProposer(DraftProposer):
         self.head = load_eagle_head(
             Path(self.speculative.model).expanduser(), target, device, dtype, Path(config.model).expanduser()
         )
-        self.graphs: EagleDraftGraphs | None = None  # captured on CUDA (capture_cuda_graphs)
+        # Captured on CUDA (capture_cuda_graphs): passes 2..k, and every pass after a step of
+        # 1 + k tokens per request.
+        self.graphs: EagleDraftGraphs | None = None
+        self.step_graphs: EagleDraftGraphs | None = None
 
     @classmethod
     def validate(cls, config) -> list[str]:
@@ -94,25 +97,33 @@ class EagleProposer(DraftProposer):
         return attention_layers(self.head)
 
     def capture_cuda_graphs(self, setup: DraftGraphSetup) -> None:
-        """Graphs of the drafting passes after the first (``EagleDraftGraphs``), for up to
-        ``MAX_DRAFT_GRAPH_BATCH`` drafting requests; larger batches, and backends that plan
-        on the host before each replay, draft eagerly."""
+        """Graphs of the drafting (``EagleDraftGraphs``) for up to ``MAX_DRAFT_GRAPH_BATCH``
+        requests: the whole proposal after a step of ``1 + k`` tokens per request (a
+        verification graph step; with a backend that captures those), and passes 2..k after
+        any other step. Larger batches, and backends that plan each replay on the host,
+        draft eagerly."""
         sizes = [s for s in setup.sizes if s <= MAX_DRAFT_GRAPH_BATCH]
-        if self.num_speculative_tokens < 2 or not sizes:
+        if not sizes:
             return
         if not replays_without_host_planning(setup.builder):
-            logger.info("EAGLE: the attention backend plans each graph replay on the host: drafting passes run eagerly")
+            logger.info("EAGLE: the attention backend plans each graph replay on the host: drafting runs eagerly")
             return
-        self.graphs = EagleDraftGraphs(
-            self.head, self.target.compute_logits, setup, sizes, self.num_speculative_tokens,
-            self.head.config.hidden_size, self.dtype,
-        )
-        self.graphs.capture(setup.pool)
+        k = self.num_speculative_tokens
+        args = (self.head, self.target.compute_logits, setup, sizes, k, self.head.config.hidden_size, self.dtype)
+        if k >= 2:
+            self.graphs = EagleDraftGraphs(*args)
+            self.graphs.capture(setup.pool)
+        if setup.graph_support == GraphSupport.ALWAYS:
+            self.step_graphs = EagleDraftGraphs(*args, query_len=1 + k)
+            self.step_graphs.capture(setup.pool)
 
     def release_cuda_graphs(self) -> None:
-        self.graphs = None
+        self.graphs = self.step_graphs = None
 
     def propose(self, batch: ProposalBatch) -> list[list[int]]:
+        size = self._step_graph_size(batch)
+        if size is not None:
+            return self._replay_proposal(batch, size)
         drafts: list[list[int]] = [[] for _ in range(batch.num_reqs)]
         device = batch.hidden_states.device
         n = batch.num_reqs
@@ -138,6 +149,28 @@ class EagleProposer(DraftProposer):
         for i, row, cap in zip(want.tolist(), out[: len(want), :width].tolist(), caps.tolist()):
             drafts[i] = row[:cap]
         return drafts
+
+    def _step_graph_size(self, batch: ProposalBatch) -> int | None:
+        """The captured size for the whole proposal, after a step of ``1 + k`` tokens per
+        request (None: pass 1 runs eagerly)."""
+        graphs = self.step_graphs
+        if graphs is None or uniform_query_len(batch) != graphs.query_len:
+            return None
+        return graphs.padded_size(batch.num_reqs)
+
+    def _replay_proposal(self, batch: ProposalBatch, size: int) -> list[list[int]]:
+        """Every pass from the graph of ``size`` requests (``step_graphs``)."""
+        caps = batch.max_num_drafts
+        end = max(int(batch.common.seq_lens_cpu.max()), int(batch.last_token_position.max()) + self.num_speculative_tokens)
+        table = batch.block_table_cpu
+        block_rows = table[batch.rows, : min(-(-end // batch.block_size), table.shape[1])]
+        self.step_graphs.load_step(batch, caps, block_rows, size)
+        out = self.step_graphs.replay(size)
+        width = int(caps.max())
+        if width == 0:  # pass 1 only (the head's KV): nothing to wait for
+            return [[] for _ in range(batch.num_reqs)]
+        rows = out[: batch.num_reqs, :width].tolist()
+        return [row[:cap] for row, cap in zip(rows, caps.tolist())]
 
     def _replay_passes(self, batch, want, caps, hidden, tokens, size: int) -> torch.Tensor:
         """Passes 2..k from the captured graph of ``size`` requests: the drafts ``[size, k]``."""
