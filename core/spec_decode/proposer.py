@@ -122,11 +122,12 @@ class FinishedStep:
 @dataclass(frozen=True)
 class DraftGraphSetup:
     """What a proposer gets to capture CUDA graphs of its own device work (a draft model's
-    one-token drafting passes), after the target's graphs are captured: on CUDA only, never
-    with ``enforce_eager``, and not under pipeline parallelism. A proposer's graph runs over
+    drafting passes), after the target's graphs are captured: on CUDA only, never with
+    ``enforce_eager``, and not under pipeline parallelism. A proposer's graph runs over
     persistent buffers of its own, with attention metadata from
-    ``builder.build_for_cudagraph`` over them (one query token per request, padding rows
-    ``seq_len`` 1 and slot -1), as the target's decode graphs do."""
+    ``builder.build_for_cudagraph`` over them (one query token per request, or ``q`` where
+    ``graph_support`` is ``ALWAYS``; padding rows slot -1, padding requests ``seq_len`` 1),
+    as the target's decode and verification graphs do."""
 
     builder: AttentionMetadataBuilder  # the runner's (the attention backend's)
     # The backend's: ``ALWAYS`` also builds graph metadata of ``q > 1`` tokens per request
@@ -241,7 +242,7 @@ class Proposer(ABC):
 
     def capture_cuda_graphs(self, setup: DraftGraphSetup) -> None:
         """Capture CUDA graphs of the proposer's device work, to replay in ``propose_step``
-        (EAGLE: its drafting passes after the first). Called once at start-up when the engine
+        (EAGLE: its drafting passes). Called once at start-up when the engine
         uses CUDA graphs; otherwise the proposer runs eagerly. Default: none."""
 
     def release_cuda_graphs(self) -> None:

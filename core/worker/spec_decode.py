@@ -20,8 +20,8 @@ which the rejection sampler reads each request's last ``1 + d``::
 Steps mixing prefill chunks with drafts run eagerly, as do batches above the largest
 captured size and backends whose ``graph_support`` is not ``ALWAYS`` (FlashInfer). A step with no
 drafts at all is plain decode (the one-token graphs). The proposer runs after verification
-(it may replay graphs of its own, ``Proposer.capture_cuda_graphs``: EAGLE's drafting passes
-after the first): it gets the step as a ``FinishedStep``
+(it may replay graphs of its own, ``Proposer.capture_cuda_graphs``: EAGLE's drafting
+passes): it gets the step as a ``FinishedStep``
 (``pagelm.spec_decode.proposer``) and says which requests draft how many tokens; the engine
 checks what it returns.
 """
@@ -97,7 +97,8 @@ class SpecDecodeRunner:
     """The model runner's speculative part: verification steps (graph or eager), the
     rejection sampler, and handing each finished step to the proposer. It calls only public
     ``ModelRunner`` methods and attributes; the runner calls ``execute``, ``propose``,
-    ``capture_cuda_graphs`` and its ``proposer``'s ``may_draft`` / ``attention_layers``."""
+    ``capture_cuda_graphs`` / ``release_cuda_graphs``, ``keep_in_flight`` and its
+    ``proposer``'s ``may_draft`` / ``attention_layers``."""
 
     def __init__(
         self, proposer: Proposer | None, num_speculative_tokens: int, max_model_len: int,
