@@ -20,6 +20,7 @@ from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.bench.latency import reject_all_drafts
 from pagelm.plugins.engine_args import add_engine_args, engine_kwargs
 from pagelm.plugins.policies.fcfs import FCFSPolicy
+from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
 from pagelm.plugins.spec_decode.ngram import NgramProposer
 from pagelm.request import Request, RequestStatus
 from pagelm.sched.scheduler import Scheduler
@@ -298,6 +299,56 @@ def test_speculative_engine_runs_ahead_through_preemption(llama_dir):
     got, _, counts = speculative_run(llama_dir, prompts, params, True, **kw)
     assert got == want
     assert counts["ahead"] > 0 and counts["preemptions"] > 0
+
+
+def recorded_proposals(proposer) -> dict[tuple[str, int], list[int]]:
+    """Wrap ``proposer.propose`` to record, from now on, each request's drafts by (request,
+    tokens known when proposed). Returns the live record."""
+    seen: dict[tuple[str, int], list[int]] = {}
+    propose = proposer.propose
+
+    def recording(batch):
+        drafts = propose(batch)
+        for req_id, num_tokens, d in zip(batch.req_ids, batch.num_tokens.tolist(), drafts):
+            if d:
+                seen[(req_id, num_tokens)] = list(d)
+        return drafts
+
+    proposer.propose = recording
+    return seen
+
+
+def test_eagle_runs_ahead_where_nobody_drafts_and_keeps_its_kv_cache_in_step(llama_dir, tmp_path):
+    """With every request backed off, EAGLE's engine runs steps ahead; the head still writes
+    its KV for those steps (their target pass comes with them), so every later proposal (the
+    probes) drafts what the synchronous engine's does, and the tokens are the same."""
+    train_eagle_head(llama_dir, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
+    spec = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head"), "max_backoff_steps": 8}
+    prompts = speculative_prompts(256)
+    params = [SamplingParams(temperature=0.0, max_tokens=40 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    runs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(str(llama_dir), dtype="float32", block_size=8, async_scheduling=async_scheduling,
+                  max_num_batched_tokens=64, speculative_config=spec)
+        core = llm.engine.core
+        proposals = recorded_proposals(core.runner.spec.proposer)
+        reject_all_drafts(llm, core.vocab_size)  # every request backs off: steps run ahead
+        counts = count_launches(core)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks, "KV blocks leaked"
+        runs[async_scheduling] = tokens, proposals, counts
+    (want, want_proposals, sync_counts), (got, got_proposals, counts) = runs[False], runs[True]
+    assert got == want
+    assert got_proposals == want_proposals and len(want_proposals) > 2 * len(prompts)
+    assert counts["verify"] == sync_counts["verify"] > 0
+    assert sync_counts["ahead"] == 0 and counts["ahead"] > 0.3 * max(p.max_tokens for p in params)
+
+
+def test_eagle_may_run_ahead_by_default(llama_dir):
+    from pagelm.plugins.spec_decode.eagle import EagleProposer
+
+    speculative = LLM(str(llama_dir), dtype="float32", speculative_config=NGRAM).engine.core
+    assert speculative._use_async_scheduling(True, EagleProposer)
 
 
 class FinishedRecorder:

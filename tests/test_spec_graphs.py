@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from pagelm import LLM, SamplingParams
 from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
+from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs
 from pagelm.plugins.spec_decode.medusa import MedusaHeads
 from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner
 from pagelm.worker.input_buffers import InputBuffers
@@ -154,6 +155,18 @@ def eager_graphs(monkeypatch):
 
     monkeypatch.setattr(CudaGraphRunner, "capture", capture)
     monkeypatch.setattr(CudaGraphRunner, "replay", replay)
+    # The EAGLE head's drafting graphs: the same emulation.
+    monkeypatch.setattr(EagleDraftGraphs, "capture", capture_drafting)
+    monkeypatch.setattr(EagleDraftGraphs, "replay", replay_drafting)
+
+
+def capture_drafting(self, pool=None):
+    self._captured = {size: self.metadata(size) for size in self.sizes}
+
+
+def replay_drafting(self, size):
+    self.num_replays += 1
+    return self._step(size, *self._captured[size])
 
 
 PROMPTS = [
@@ -209,6 +222,48 @@ def test_eagle_drafts_the_same_from_a_verification_graph_step(make_model, tmp_pa
     model = make_model("spec_llama", "llama")
     train_eagle_head(model, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
     _drafts_the_same_with_and_without_graphs(model, {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")})
+
+
+def test_eagle_drafting_graphs_draft_what_the_eager_passes_draft(make_model, tmp_path, triton_on_cpu, eager_graphs):
+    """The head's graphs (padded batches, every pass over every row): the whole proposal
+    after a verification graph step, passes 2..k after any other step. Every proposal has
+    exactly the drafts of the eager passes (over the requests still drafting), step by
+    step, and the tokens are those of decoding without speculation."""
+    model = make_model("spec_llama", "llama")
+    train_eagle_head(model, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
+    config = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
+    proposals = {}
+    for graphs in (True, False):
+        llm = LLM(str(model), dtype="float32", block_size=8, attention_backend="triton", max_num_seqs=8,
+                  max_num_batched_tokens=32, speculative_config=config)
+        runner = llm.engine.core.runner
+        if graphs:
+            runner.capture_cuda_graphs()
+        proposer = runner.spec.proposer
+        seen = proposals[graphs] = []
+        propose = proposer.propose
+
+        def recording_propose(batch, propose=propose, seen=seen):
+            drafts = propose(batch)
+            seen.append(drafts)
+            return drafts
+
+        proposer.propose = recording_propose
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        assert tokens == _plain_tokens(model)
+        if graphs:
+            assert proposer.graphs.sizes == proposer.step_graphs.sizes == [1, 2, 4, 8]
+            assert proposer.step_graphs.query_len == 4
+            assert proposer.graphs.num_replays > 0 and proposer.step_graphs.num_replays > 0
+        else:
+            assert proposer.graphs is None and proposer.step_graphs is None
+        del llm, runner, proposer
+        gc.collect()
+    assert proposals[True] == proposals[False]
+    assert sum(len(d) for step in proposals[True] for d in step) > 0
+    # Some proposals capped a request below k (near max_tokens): the graph's rows past a
+    # request's cap are cut, as the eager passes never compute them.
+    assert any(0 < len(d) < 3 for step in proposals[True] for d in step)
 
 
 def test_medusa_drafts_the_same_from_a_verification_graph_step(make_model, tmp_path, triton_on_cpu, eager_graphs):
@@ -270,3 +325,36 @@ def test_ngram_greedy_tokens_are_identical_with_and_without_cuda_graphs(make_mod
     assert graph_replays[True] is None
     assert graph_replays[None] > 0
     assert outs[True] == outs[None]
+
+
+@pytest.mark.gpu
+def test_eagle_greedy_tokens_are_identical_with_drafting_graphs_eagerly_and_without_speculation(make_model, tmp_path):
+    """float32 on CUDA: no speculation, EAGLE with every pass eager (``enforce_eager``), and
+    EAGLE with real graphs (decode, verification, and the head's drafting: whole proposals
+    and passes 2..k; under async scheduling) give the same greedy tokens."""
+    model_dir = make_model("fast_qwen3", "qwen3", **GPU_SHAPE)
+    train_eagle_head(model_dir, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
+    eagle = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
+    prompts = [{"prompt_token_ids": ([7 + i, 8 + i, 9 + i, 10 + i] * 30)[: 40 + 17 * i]} for i in range(5)]
+    gen = torch.Generator().manual_seed(0)
+    prompts += [{"prompt_token_ids": torch.randint(5, 500, (30 + 20 * i,), generator=gen).tolist()} for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=30 + 9 * i, ignore_eos=True) for i in range(10)]
+    outs, replays, accepted = {}, {}, {}
+    for name, spec, eager in (("plain", None, None), ("eager", eagle, True), ("graphs", eagle, None)):
+        llm = LLM(str(model_dir), device="cuda", dtype="float32", attention_backend="triton", enforce_eager=eager,
+                  gpu_memory_utilization=0.3, max_num_seqs=16, speculative_config=spec)
+        core, proposer = llm.engine.core, None
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if spec is not None:
+            proposer = core.runner.spec.proposer
+            replays[name] = None if proposer.graphs is None else (proposer.graphs.num_replays, proposer.step_graphs.num_replays)
+            accepted[name] = core.scheduler.spec_decoding_stats.num_accepted_tokens
+            if name == "graphs":
+                assert core.async_scheduling
+        del llm, core, proposer
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert replays["eager"] is None and min(replays["graphs"]) > 0
+    assert accepted["eager"] > 0 and accepted["graphs"] > 0
+    assert outs["eager"] == outs["plain"]
+    assert outs["graphs"] == outs["plain"]

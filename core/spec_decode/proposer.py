@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagelm.attention import Attention, CommonAttentionMetadata
+from pagelm.attention import Attention, AttentionMetadataBuilder, CommonAttentionMetadata, GraphSupport
 from pagelm.registry import PluginError
 
 if TYPE_CHECKING:
@@ -109,14 +109,38 @@ class FinishedStep:
     num_tokens: np.ndarray  # [n] tokens known after it (prompt + accepted outputs)
     max_model_len: int
     # The next step is launched already (async scheduling): drafts would come too late, so
-    # the engine wants none, and ``target`` is None. It launched it only because
-    # ``may_draft`` said nobody may draft.
+    # the engine wants none, and ``target`` is None unless the proposer sets
+    # ``needs_ahead_target``. It launched it only because ``may_draft`` said nobody may draft.
     ahead: bool
     target: TargetPass | None
 
     @property
     def num_reqs(self) -> int:
         return len(self.requests)
+
+
+@dataclass(frozen=True)
+class DraftGraphSetup:
+    """What a proposer gets to capture CUDA graphs of its own device work (a draft model's
+    drafting passes), after the target's graphs are captured: on CUDA only, never with
+    ``enforce_eager``, and not under pipeline parallelism. A proposer's graph runs over
+    persistent buffers of its own, with attention metadata from
+    ``builder.build_for_cudagraph`` over them (one query token per request, or ``q`` where
+    ``graph_support`` is ``ALWAYS``; padding rows slot -1, padding requests ``seq_len`` 1),
+    as the target's decode and verification graphs do."""
+
+    builder: AttentionMetadataBuilder  # the runner's (the attention backend's)
+    # The backend's: ``ALWAYS`` also builds graph metadata of ``q > 1`` tokens per request
+    # (as for the target's verification graphs), ``DECODE_ONLY`` of one token only.
+    graph_support: GraphSupport
+    # Batch sizes worth a graph (the target's decode sizes, ascending); a batch is padded up.
+    sizes: list[int]
+    max_model_len: int
+    block_size: int
+    max_blocks_per_req: int  # a block-table row's width
+    device: torch.device
+    # The memory pool of the target's graphs: share it (graphs that never replay at once may).
+    pool: Any
 
 
 def decode_attention_metadata(
@@ -133,15 +157,16 @@ def decode_attention_metadata(
     query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32)
     seq_lens_cpu = torch.from_numpy(seq_lens)
     table_cpu = torch.from_numpy(table)
+    # Copies that do not wait for the stream (a blocking one from pageable memory would).
     return CommonAttentionMetadata(
         num_reqs=num_reqs,
         num_actual_tokens=num_reqs,
         max_query_len=1,
         max_seq_len=max_seq_len,
-        query_start_loc=query_start_loc.to(device),
-        seq_lens=seq_lens_cpu.to(device),
-        block_table=table_cpu.to(device),
-        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start_loc=query_start_loc.to(device, non_blocking=True),
+        seq_lens=seq_lens_cpu.to(device, non_blocking=True),
+        block_table=table_cpu.to(device, non_blocking=True),
+        slot_mapping=torch.from_numpy(slots).to(device, non_blocking=True),
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens_cpu,
         block_size=block_size,
@@ -167,6 +192,12 @@ class Proposer(ABC):
     # a step ahead under async scheduling whenever ``may_draft`` says nobody may draft;
     # ``propose_step`` then sees that step with ``ahead`` set.
     needs_every_step: ClassVar[bool] = True
+    # Whether steps the engine runs ahead (``FinishedStep.ahead``) still come with their
+    # ``target``: the runner keeps the forward pass of a step in flight when it launches the
+    # next one. A draft model with a KV cache of its own sets it, with ``needs_every_step =
+    # False``, to write its KV for every step while the engine schedules ahead wherever
+    # ``may_draft`` says nobody may draft. Needs ``uses_target_pass``.
+    needs_ahead_target: ClassVar[bool] = False
     # Whether ``propose_step`` reads the target's forward pass (``TargetPass.input_ids``,
     # ``positions``, ``hidden_states``, ``common``: a draft model does). False leaves them
     # None and saves building them on the device every step.
@@ -208,6 +239,15 @@ class Proposer(ABC):
         (``[]``: no drafts; all ``[]`` when ``step.ahead``). Called once per step, after
         verification: every step, unless ``needs_every_step`` is False (then steps the engine
         runs ahead are handed over with ``ahead`` set, after the fact)."""
+
+    def capture_cuda_graphs(self, setup: DraftGraphSetup) -> None:
+        """Capture CUDA graphs of the proposer's device work, to replay in ``propose_step``
+        (EAGLE: its drafting passes). Called once at start-up when the engine
+        uses CUDA graphs; otherwise the proposer runs eagerly. Default: none."""
+
+    def release_cuda_graphs(self) -> None:
+        """Drop the graphs ``capture_cuda_graphs`` made (the engine is shutting down: every
+        graph goes before the process group). Default: nothing to drop."""
 
     def may_draft(self, requests: Sequence[RequestView]) -> bool:
         """Whether the proposal after the step in flight may give any of ``requests`` (every

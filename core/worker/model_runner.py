@@ -248,7 +248,7 @@ class ModelRunner:
         ``enforce_eager`` it took 1.5 s)."""
         self.cuda_graphs = None
         if self.spec is not None:
-            self.spec.graphs = None
+            self.spec.release_cuda_graphs()
         if self.device.type == "cuda":
             gc.collect()  # a graph's memory goes with its last reference
             torch.cuda.synchronize(self.device)
@@ -262,8 +262,9 @@ class ModelRunner:
             stage=self.pipeline,
         )
         pool = self.cuda_graphs.capture()
-        # Graphs of steps verifying drafts, in the same memory pool (under pipeline
-        # parallelism verification runs eagerly: its graphs hold no stage boundary).
+        # Graphs of steps verifying drafts and the proposer's own, in the same memory pool
+        # (under pipeline parallelism both run eagerly: verification graphs hold no stage
+        # boundary).
         if self.spec is not None and self.pipeline is None:
             self.spec.capture_cuda_graphs(self, pool)
 
@@ -327,6 +328,8 @@ class ModelRunner:
         samples gets a placeholder at the end of its token list until ``finish``.
         ``defer_sampling``: stop after the forward pass; ``sample`` queues the rest (guided
         requests under async scheduling, whose bitmask waits for the previous step)."""
+        if self._in_flight is not None and self.spec is not None and self.spec.keeps_steps_in_flight:
+            self.spec.keep_in_flight(self, self._in_flight)  # before this step takes its rows and buffers
         self._update_states(sched)
         if self.kv_copier is not None:  # copies between the tiers first (also in an empty step)
             self.kv_copier.before_step(sched)

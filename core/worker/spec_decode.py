@@ -19,8 +19,9 @@ which the rejection sampler reads each request's last ``1 + d``::
 
 Steps mixing prefill chunks with drafts run eagerly, as do batches above the largest
 captured size and backends whose ``graph_support`` is not ``ALWAYS`` (FlashInfer). A step with no
-drafts at all is plain decode (the one-token graphs). The proposer runs after verification,
-eagerly (the EAGLE head's passes are not captured): it gets the step as a ``FinishedStep``
+drafts at all is plain decode (the one-token graphs). The proposer runs after verification
+(it may replay graphs of its own, ``Proposer.capture_cuda_graphs``: EAGLE's drafting
+passes): it gets the step as a ``FinishedStep``
 (``pagelm.spec_decode.proposer``) and says which requests draft how many tokens; the engine
 checks what it returns.
 """
@@ -40,6 +41,7 @@ from pagelm.sample import RejectionSampler
 from pagelm.sample.sampler import LogprobsTensors
 from pagelm.sampling_params import num_logprobs
 from pagelm.spec_decode.proposer import (
+    DraftGraphSetup,
     FinishedStep,
     Proposer,
     TargetPass,
@@ -49,7 +51,7 @@ from pagelm.spec_decode.proposer import (
 from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner, capture_sizes
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
 from pagelm.worker.pending_step import logprobs_lists
-from pagelm.worker.sampling_inputs import build_sampling_metadata
+from pagelm.worker.sampling_inputs import build_sampling_metadata, to_device
 from pagelm.worker.step_state import StepInputs, host_sync_point
 
 logger = logging.getLogger("pagelm")
@@ -95,7 +97,8 @@ class SpecDecodeRunner:
     """The model runner's speculative part: verification steps (graph or eager), the
     rejection sampler, and handing each finished step to the proposer. It calls only public
     ``ModelRunner`` methods and attributes; the runner calls ``execute``, ``propose``,
-    ``capture_cuda_graphs`` and its ``proposer``'s ``may_draft`` / ``attention_layers``."""
+    ``capture_cuda_graphs`` / ``release_cuda_graphs``, ``keep_in_flight`` and its
+    ``proposer``'s ``may_draft`` / ``attention_layers``."""
 
     def __init__(
         self, proposer: Proposer | None, num_speculative_tokens: int, max_model_len: int,
@@ -117,7 +120,22 @@ class SpecDecodeRunner:
     # ---- verification graphs -------------------------------------------------------------
     def capture_cuda_graphs(self, runner, pool: tuple[int, int] | None) -> None:
         """Capture verification graphs (``q = 1 + k`` tokens per request) into ``pool``, for
-        batch sizes up to ``MAX_VERIFY_GRAPH_BATCH``, when the attention backend can."""
+        batch sizes up to ``MAX_VERIFY_GRAPH_BATCH``, when the attention backend can; then
+        let the proposer capture its own (``Proposer.capture_cuda_graphs``)."""
+        self._capture_verify_graphs(runner, pool)
+        if self.proposer is not None:
+            self.proposer.capture_cuda_graphs(DraftGraphSetup(
+                builder=runner.metadata_builder,
+                graph_support=runner.backend.graph_support,
+                sizes=capture_sizes(runner.max_num_reqs, runner.config.max_num_batched_tokens),
+                max_model_len=runner.max_model_len,
+                block_size=runner.block_size,
+                max_blocks_per_req=runner.buffers.max_blocks_per_req,
+                device=runner.device,
+                pool=pool,
+            ))
+
+    def _capture_verify_graphs(self, runner, pool: tuple[int, int] | None) -> None:
         if runner.backend.graph_support != GraphSupport.ALWAYS:
             logger.info(
                 "attention backend %r has no verification graphs: steps verifying drafts run eagerly",
@@ -134,6 +152,11 @@ class SpecDecodeRunner:
             runner.max_model_len, runner.block_size, query_len=q,
         )
         self.graphs.capture(pool)
+
+    def release_cuda_graphs(self) -> None:
+        self.graphs = None
+        if self.proposer is not None:
+            self.proposer.release_cuda_graphs()
 
     def _graph_step(self, runner, states, starts, counts, drafts) -> VerifyGraphStep | None:
         """The step staged for a verification graph, when every request is a decode (its
@@ -267,16 +290,36 @@ class SpecDecodeRunner:
             ahead=ahead,
             target=None,
         )
-        if not ahead:
+        if not ahead or self.proposer.needs_ahead_target:
             finished.target = self._target_pass(runner, step, hidden, finished, starts_np, counts_np, out_ids)
-        # Proposing is not sync-free yet: its small host-to-device inputs, and the drafts the
-        # scheduler needs back (EAGLE).
+        # The drafts come back to the host (EAGLE's, from the device): the proposal's one sync.
         with host_sync_point():
             drafts = self.proposer.propose_step(finished)
         drafts = checked_drafts(self.proposer, drafts, n, runner.vocab_size)
         if self.drafts_from_last_stage:
             return runner.pipeline.share_drafts(drafts, n, self.num_speculative_tokens)
         return drafts
+
+    @property
+    def keeps_steps_in_flight(self) -> bool:
+        """Whether a step in flight must keep its forward pass when the next one launches:
+        its proposal, made after that launch, reads it (``Proposer.needs_ahead_target``)."""
+        return self.proposer is not None and self.proposer.needs_ahead_target
+
+    def keep_in_flight(self, runner, pending) -> None:
+        """Before the next launch (async scheduling), which rewrites the input buffers and the
+        graph outputs, and before its new requests take block-table rows: keep what the
+        proposal for ``pending`` reads. A graph step's inputs are rebuilt from the host
+        (``_target_pass``), so its block rows and hidden states are all it keeps."""
+        step = pending.inputs
+        if step is None or pending.hidden is None:
+            return
+        if step.graph_size is None:
+            pending.inputs = self.keep_inputs(runner, step, pending.states)
+            return
+        rows = np.fromiter((s.row for s in pending.states), dtype=np.int64, count=len(pending.states))
+        pending.inputs = dataclasses.replace(step, block_table_rows=runner.block_table_cpu[rows])
+        pending.hidden = pending.hidden.clone()  # a view of the graph's output, which the next replay rewrites
 
     def keep_inputs(self, runner, step: StepInputs, states) -> StepInputs:
         """A copy of a launched step's inputs that later launches leave alone (they rewrite
@@ -321,8 +364,8 @@ class SpecDecodeRunner:
         elif step.input_ids is not None:
             input_ids, positions, common = step.input_ids, step.positions, step.common
         else:
-            input_ids = torch.tensor([s.token_ids[c] for s, c in zip(states, starts_np.tolist())]).to(runner.device)
-            positions = torch.from_numpy(starts_np).to(runner.device)
+            input_ids = to_device([s.token_ids[c] for s, c in zip(states, starts_np.tolist())], torch.long, runner.device)
+            positions = torch.from_numpy(starts_np).to(runner.device, non_blocking=True)
             common = decode_attention_metadata(table, table_rows, starts_np, runner.block_size, runner.device)
         return TargetPass(
             input_ids=input_ids,

@@ -10,8 +10,10 @@ at most that many::
                          observe          adaptive drafting learns what verification accepted
                          max_num_drafts   k, less near max_model_len / max_tokens, 0 for a
                                           request that sampled nothing or is backed off
-                         skip             nobody may draft (and the proposer only drafts), or
-                                          the next step is already launched: no drafts
+                         skip             nobody may draft, or the next step is already
+                                          launched: no drafts, and no ``propose`` unless the
+                                          proposer must see every step (a draft model's KV:
+                                          ``needs_every_step`` / ``needs_ahead_target``)
                          propose(batch)   ProposalBatch: the step, the caps, the token history
                          cut              each request's drafts cut to its max_num_drafts
 
@@ -79,7 +81,8 @@ class DraftProposer(Proposer):
         ``batch.max_num_drafts[i]`` for request ``i`` (``[]``: no drafts). Called once per
         step, after verification, for every step (also those with nothing to draft, so a
         draft model can keep its KV cache in step with the target's), unless
-        ``needs_every_step`` is False."""
+        ``needs_every_step`` and ``needs_ahead_target`` are both False. A step run ahead
+        comes with every ``max_num_drafts`` 0."""
 
     def propose_step(self, step: FinishedStep) -> list[list[int]]:
         rows, n = step.rows, step.num_reqs
@@ -91,7 +94,9 @@ class DraftProposer(Proposer):
                 self.backoff.observe(rows, step.num_drafts, np.maximum(step.num_sampled - 1, 0))
         sampled = step.num_sampled > 0
         max_drafts = self._backed_off(rows, np.where(sampled, self._room(step), 0), step.num_drafts, sampled)
-        if step.ahead or (not self.needs_every_step and not max_drafts.any()):
+        if step.ahead:  # drafts would come too late
+            max_drafts = np.zeros_like(max_drafts)
+        if not max_drafts.any() and not (self.needs_every_step or self.needs_ahead_target):
             return [[] for _ in range(n)]
         target = step.target
         batch = ProposalBatch(

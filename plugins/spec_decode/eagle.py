@@ -16,10 +16,17 @@ the target's. Pass 1 covers every request, also those that draft nothing this st
 their positions is what it attends to once they draft again. Drafts are the head's argmax (a
 one-hot proposal), which the rejection sampler verifies exactly, for greedy and sampled
 requests alike.
+
+Pass 1 runs eagerly (its shape is the step's). With CUDA graphs, passes ``2..k`` replay one
+graph per padded batch of drafting requests (``eagle_graphs``: the chain of passes in one
+launch); on the CPU, with ``enforce_eager`` and for batches above ``MAX_DRAFT_GRAPH_BATCH``
+they run eagerly, one pass at a time over the requests still drafting. Either way the one
+host sync of a proposal is the drafts' copy to the host.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -27,19 +34,32 @@ import torch
 from torch import nn
 
 from pagelm import hookimpl
-from pagelm.attention import ForwardContext, attention_layers, forward_context
+from pagelm.attention import ForwardContext, GraphSupport, attention_layers, forward_context
 from pagelm.models.layers import VocabParallelEmbedding
 from pagelm.models.loader import checkpoint_tensor, default_dtype, iterate_weights
 from pagelm.models.pipeline import MissingLayer
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
+from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs, replays_without_host_planning, uniform_query_len
+from pagelm.spec_decode import DraftGraphSetup
 
-PAGELM_PLUGIN_API = "2.16"
+PAGELM_PLUGIN_API = "2.17"
+
+logger = logging.getLogger("pagelm")
+
+# Drafting passes are captured for up to this many drafting requests (the verification
+# graphs' limit: past it a step verifies eagerly, and launch overhead matters much less).
+MAX_DRAFT_GRAPH_BATCH = 32
 
 
 class EagleProposer(DraftProposer):
     name = "eagle"
     uses_token_ids = False
+    # The head's KV must follow every step, also those the engine runs ahead (async
+    # scheduling, where nobody may draft): those come with their target pass, and pass 1
+    # runs over them with no drafts asked.
+    needs_every_step = False
+    needs_ahead_target = True
     # Under pipeline parallelism the head lives on the last stage (the target's hidden states
     # and LM head are there) with a copy of the target's embedding (``load_eagle_head``).
     supports_pipeline_parallel = True
@@ -50,6 +70,10 @@ class EagleProposer(DraftProposer):
         self.head = load_eagle_head(
             Path(self.speculative.model).expanduser(), target, device, dtype, Path(config.model).expanduser()
         )
+        # Captured on CUDA (capture_cuda_graphs): passes 2..k, and every pass after a step of
+        # 1 + k tokens per request.
+        self.graphs: EagleDraftGraphs | None = None
+        self.step_graphs: EagleDraftGraphs | None = None
 
     @classmethod
     def validate(cls, config) -> list[str]:
@@ -72,37 +96,115 @@ class EagleProposer(DraftProposer):
     def attention_layers(self):
         return attention_layers(self.head)
 
+    def capture_cuda_graphs(self, setup: DraftGraphSetup) -> None:
+        """Graphs of the drafting (``EagleDraftGraphs``) for up to ``MAX_DRAFT_GRAPH_BATCH``
+        requests: the whole proposal after a step of ``1 + k`` tokens per request (a
+        verification graph step; with a backend that captures those), and passes 2..k after
+        any other step. Larger batches, and backends that plan each replay on the host,
+        draft eagerly."""
+        sizes = [s for s in setup.sizes if s <= MAX_DRAFT_GRAPH_BATCH]
+        if not sizes:
+            return
+        if not replays_without_host_planning(setup.builder):
+            logger.info("EAGLE: the attention backend plans each graph replay on the host: drafting runs eagerly")
+            return
+        k = self.num_speculative_tokens
+        args = (self.head, self.target.compute_logits, setup, sizes, k, self.head.config.hidden_size, self.dtype)
+        if k >= 2:
+            self.graphs = EagleDraftGraphs(*args)
+            self.graphs.capture(setup.pool)
+        if setup.graph_support == GraphSupport.ALWAYS:
+            self.step_graphs = EagleDraftGraphs(*args, query_len=1 + k)
+            self.step_graphs.capture(setup.pool)
+
+    def release_cuda_graphs(self) -> None:
+        self.graphs = self.step_graphs = None
+
     def propose(self, batch: ProposalBatch) -> list[list[int]]:
-        device = batch.hidden_states.device
+        size = self._step_graph_size(batch)
+        if size is not None:
+            return self._replay_proposal(batch, size)
         drafts: list[list[int]] = [[] for _ in range(batch.num_reqs)]
-        last = torch.from_numpy(batch.last_token_index).to(device)
+        device = batch.hidden_states.device
+        n = batch.num_reqs
+        want = np.flatnonzero(batch.max_num_drafts > 0)
+        # One upload (no stream sync): each request's last verified index and the token after
+        # it, then the drafting requests' last verified indices.
+        index = _to_device(np.concatenate([batch.last_token_index, batch.next_token_ids, batch.last_token_index[want]]), device)
         input_ids = torch.roll(batch.input_ids, -1)  # position p reads token p+1
-        input_ids[last] = torch.from_numpy(batch.next_token_ids).to(device)
+        input_ids[index[:n]] = index[n : 2 * n]
         with forward_context(ForwardContext(attn_metadata=batch.build_attention_metadata(batch.common))):
             hidden = self.head(input_ids, batch.positions, batch.hidden_states)
-
-        want = np.flatnonzero(batch.max_num_drafts > 0)
         if len(want) == 0:
             return drafts
         caps = batch.max_num_drafts[want]
-        hidden = hidden[last[torch.from_numpy(want).to(device)]]
+        hidden = hidden[index[2 * n :]]
         tokens = self.target.compute_logits(hidden).argmax(dim=-1)
+        width = int(caps.max())
+        size = None if self.graphs is None or width < 2 else self.graphs.padded_size(len(want))
+        if size is not None:
+            out = self._replay_passes(batch, want, caps, hidden, tokens, size)
+        else:
+            out = self._eager_passes(batch, want, caps, hidden, tokens)
+        for i, row, cap in zip(want.tolist(), out[: len(want), :width].tolist(), caps.tolist()):
+            drafts[i] = row[:cap]
+        return drafts
+
+    def _step_graph_size(self, batch: ProposalBatch) -> int | None:
+        """The captured size for the whole proposal, after a step of ``1 + k`` tokens per
+        request (None: pass 1 runs eagerly)."""
+        graphs = self.step_graphs
+        if graphs is None or uniform_query_len(batch) != graphs.query_len:
+            return None
+        return graphs.padded_size(batch.num_reqs)
+
+    def _replay_proposal(self, batch: ProposalBatch, size: int) -> list[list[int]]:
+        """Every pass from the graph of ``size`` requests (``step_graphs``)."""
+        caps = batch.max_num_drafts
+        end = max(int(batch.common.seq_lens_cpu.max()), int(batch.last_token_position.max()) + self.num_speculative_tokens)
+        table = batch.block_table_cpu
+        block_rows = table[batch.rows, : min(-(-end // batch.block_size), table.shape[1])]
+        self.step_graphs.load_step(batch, caps, block_rows, size)
+        out = self.step_graphs.replay(size)
+        width = int(caps.max())
+        if width == 0:  # pass 1 only (the head's KV): nothing to wait for
+            return [[] for _ in range(batch.num_reqs)]
+        rows = out[: batch.num_reqs, :width].tolist()
+        return [row[:cap] for row, cap in zip(rows, caps.tolist())]
+
+    def _replay_passes(self, batch, want, caps, hidden, tokens, size: int) -> torch.Tensor:
+        """Passes 2..k from the captured graph of ``size`` requests: the drafts ``[size, k]``."""
+        last_positions = batch.last_token_position[want]
+        cols = -(-(int(last_positions.max()) + int(caps.max())) // batch.block_size)
+        block_rows = batch.block_table_cpu[batch.rows[want], : min(cols, batch.block_table_cpu.shape[1])]
+        self.graphs.load(tokens, hidden, last_positions, caps, block_rows, size)
+        return self.graphs.replay(size)
+
+    def _eager_passes(self, batch, want, caps, hidden, tokens) -> torch.Tensor:
+        """Passes 2..k run one by one over the requests still drafting: the drafts ``[m, max caps]``."""
+        device = hidden.device
         out = torch.zeros((len(want), int(caps.max())), dtype=torch.long, device=device)
         out[:, 0] = tokens
         active = np.arange(len(want))  # indices into `want` still drafting
         for j in range(1, int(caps.max())):
             keep = np.flatnonzero(caps[active] > j)
-            keep_t = torch.from_numpy(keep).to(device)
-            active, hidden, tokens = active[keep], hidden[keep_t], tokens[keep_t]
+            if len(keep) < len(active):
+                keep_t = _to_device(keep, device)
+                hidden, tokens = hidden[keep_t], tokens[keep_t]
+            active = active[keep]
             positions = batch.last_token_position[want[active]] + j
             metadata = batch.decode_attention_metadata(want[active], positions)
             with forward_context(ForwardContext(attn_metadata=metadata)):
-                hidden = self.head(tokens, torch.from_numpy(positions).to(device), hidden)
+                hidden = self.head(tokens, _to_device(positions, device), hidden)
             tokens = self.target.compute_logits(hidden).argmax(dim=-1)
-            out[torch.from_numpy(active).to(device), j] = tokens
-        for i, row, cap in zip(want.tolist(), out.tolist(), caps.tolist()):
-            drafts[i] = row[:cap]
-        return drafts
+            out[_to_device(active, device), j] = tokens
+        return out
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on the device without waiting for the stream (a blocking copy
+    from pageable memory would drain the GPU first)."""
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device, non_blocking=True)
 
 
 def load_eagle_head(

@@ -40,7 +40,7 @@ from pagelm import hookimpl
 from pagelm.models.pipeline import MissingLayer
 from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 
-PAGELM_PLUGIN_API = "2.16"
+PAGELM_PLUGIN_API = "2.17"
 
 _WEIGHT = re.compile(r"(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)")
 
