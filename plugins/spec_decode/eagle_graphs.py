@@ -272,12 +272,13 @@ class EagleDraftGraphs:
         """Capture every size into ``pool`` (the target's graphs' pool), largest first."""
         start = time.perf_counter()
         self.staging_dev.zero_()  # every row padding: nothing is stored while capturing
+        stream = torch.cuda.Stream(self.staging_dev.device)  # this GPU's (see pagelm.worker.cuda_graphs)
         for size in reversed(self.sizes):
             md = self.metadata(size)
             self._step(size, *md)  # warm-up outside the capture (autotuning, lazy allocations)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self._step(size, *md)
             self.graphs[size] = graph
         torch.cuda.synchronize()
