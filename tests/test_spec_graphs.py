@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from pagelm import LLM, SamplingParams
 from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
+from pagelm.plugins.spec_decode import eagle as eagle_proposer
 from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs
 from pagelm.plugins.spec_decode.medusa import MedusaHeads
 from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner
@@ -155,7 +156,8 @@ def eager_graphs(monkeypatch):
 
     monkeypatch.setattr(CudaGraphRunner, "capture", capture)
     monkeypatch.setattr(CudaGraphRunner, "replay", replay)
-    # The EAGLE head's drafting graphs: the same emulation.
+    # The EAGLE head's drafting graphs (opt-in): the same emulation.
+    monkeypatch.setattr(eagle_proposer, "DRAFT_GRAPHS_ENABLED", True)
     monkeypatch.setattr(EagleDraftGraphs, "capture", capture_drafting)
     monkeypatch.setattr(EagleDraftGraphs, "replay", replay_drafting)
 
@@ -328,10 +330,11 @@ def test_ngram_greedy_tokens_are_identical_with_and_without_cuda_graphs(make_mod
 
 
 @pytest.mark.gpu
-def test_eagle_greedy_tokens_are_identical_with_drafting_graphs_eagerly_and_without_speculation(make_model, tmp_path):
+def test_eagle_greedy_tokens_are_identical_with_drafting_graphs_eagerly_and_without_speculation(make_model, tmp_path, monkeypatch):
     """float32 on CUDA: no speculation, EAGLE with every pass eager (``enforce_eager``), and
     EAGLE with real graphs (decode, verification, and the head's drafting: whole proposals
     and passes 2..k; under async scheduling) give the same greedy tokens."""
+    monkeypatch.setattr(eagle_proposer, "DRAFT_GRAPHS_ENABLED", True)
     model_dir = make_model("fast_qwen3", "qwen3", **GPU_SHAPE)
     train_eagle_head(model_dir, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
     eagle = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}

@@ -27,6 +27,7 @@ host sync of a proposal is the drafts' copy to the host.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,9 @@ logger = logging.getLogger("pagelm")
 # Drafting passes are captured for up to this many drafting requests (the verification
 # graphs' limit: past it a step verifies eagerly, and launch overhead matters much less).
 MAX_DRAFT_GRAPH_BATCH = 32
+# ``PAGELM_EAGLE_DRAFT_GRAPHS=1``: capture the drafting passes in CUDA graphs. Opt-in until a
+# GPU run has checked the capture (tested so far with graphs emulated on the CPU).
+DRAFT_GRAPHS_ENABLED = os.environ.get("PAGELM_EAGLE_DRAFT_GRAPHS", "0").lower() in ("1", "true", "on", "yes")
 
 
 class EagleProposer(DraftProposer):
@@ -103,7 +107,7 @@ class EagleProposer(DraftProposer):
         any other step. Larger batches, and backends that plan each replay on the host,
         draft eagerly."""
         sizes = [s for s in setup.sizes if s <= MAX_DRAFT_GRAPH_BATCH]
-        if not sizes:
+        if not sizes or not DRAFT_GRAPHS_ENABLED:
             return
         if not replays_without_host_planning(setup.builder):
             logger.info("EAGLE: the attention backend plans each graph replay on the host: drafting runs eagerly")
