@@ -113,8 +113,12 @@ class CPUTier(KVOffloadTier):
 
     def spill(self, block_id: int, block_hash: BlockHash) -> None:
         # Decided in take_transfers: until the step is decided a tier block may still be
-        # claimed by a load, which a spill must not evict.
-        self._spills.append((block_id, block_hash))
+        # claimed by a load, which a spill must not evict. A block loaded this step and evicted
+        # already has no KV of its own yet: nothing to spill. (Whether it is loading is asked
+        # now: the same GPU block may become a load's target later in the step, and the
+        # step's spills are copied out before its loads are copied in.)
+        if block_id not in self._loading:
+            self._spills.append((block_id, block_hash))
 
     def free(self, request_id: str) -> None:
         entry = self.swapped.pop(request_id, None)
@@ -135,8 +139,6 @@ class CPUTier(KVOffloadTier):
         return out
 
     def _spill_now(self, block_id: int, block_hash: BlockHash) -> None:
-        if block_id in self._loading:  # loaded this step: its KV is only in a tier block yet
-            return
         cached = self.pool.get_cached_block(block_hash)
         if cached is not None:  # already here: only its LRU position moves
             if cached.ref_cnt == 0:
