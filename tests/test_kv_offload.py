@@ -255,28 +255,6 @@ def test_a_spill_never_evicts_the_tier_block_a_load_reads_in_the_same_step():
     assert tier.count_hits([h1, h2]) == 1 and tier.num_free_blocks == 2
 
 
-def test_a_prefix_with_its_first_blocks_in_the_tier_and_the_next_on_the_gpu_hits_all_of_them():
-    # A conversation's oldest blocks leave the GPU (LRU) first while its latest are still
-    # there: the lookup goes on past a tier block to a GPU one, and the load fills the gap.
-    tier = _tier(4)
-    kv = KVCacheManager(8, BS, True, offload=tier)
-    first = _request("first", list(range(3 * BS + 1)))
-    assert kv.allocate_slots(first, first.num_tokens) is not None  # 4 blocks, 3 full and cached
-    gpu_blocks = kv.get_block_ids("first")
-    kv.free(first)
-    h0, h1, h2 = first.block_hashes[:3]
-    tier.spill(gpu_blocks[0], h0)  # h0's KV goes to the tier...
-    tier.take_transfers()
-    kv.pool.uncache_blocks([kv.pool.get_cached_block(h0)])  # ...and leaves the GPU
-    again = _request("again", list(range(3 * BS + 2)))
-    hits, num_tokens = kv.get_computed_blocks(again)
-    assert num_tokens == 3 * BS and hits[0] is None and [b.block_id for b in hits[1:]] == gpu_blocks[1:3]
-    assert kv.allocate_slots(again, 2, 0, hits, num_tokens) is not None
-    blocks = kv.get_block_ids("again")
-    assert blocks[1:3] == gpu_blocks[1:3]
-    assert tier.take_transfers().swap_in == [(tier.pool.get_cached_block(h0).block_id, blocks[0])]
-
-
 def test_a_block_evicted_then_reused_as_a_load_target_in_one_step_is_still_spilled():
     # GPU block 5 held h2 and is evicted for reuse (spill queued); later in the same step a
     # load of h1 takes block 5 as its target. h2's KV is still in block 5 when the step's

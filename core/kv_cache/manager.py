@@ -66,16 +66,14 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock | None], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request, in whole blocks. Stops at the first miss.
         At least the last token is always left to compute (its logits are needed). The
         scheduler records the lookup in ``prefix_cache_stats`` once the request is admitted.
 
-        With a tier, each block is looked up on the GPU, then in the tier: ``None`` in the
-        list is a block only the tier holds, which ``allocate_slots`` loads. (The two
-        interleave: a conversation's oldest blocks are evicted, and spilled, first, while its
-        latest are still on the GPU.) A swapped-out request's computed tokens all come from
-        the tier (they are its own: no lookup)."""
+        With a tier the count goes on past the GPU hits with blocks the tier holds, which
+        ``allocate_slots`` loads; a swapped-out request's computed tokens all come from the
+        tier (they are its own: no lookup)."""
         if self.offload is not None:
             num_swapped = self.offload.num_swapped_tokens(request.request_id)
             if num_swapped:
@@ -84,13 +82,16 @@ class KVCacheManager:
             return [], 0
         # A full hit still recomputes the last token: look up at most num_tokens - 1 tokens.
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock | None] = []
+        hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.pool.get_cached_block(block_hash)
-            if block is None and (self.offload is None or not self.offload.count_hits([block_hash])):
+            if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        num_tier_hits = 0
+        if self.offload is not None and len(hits) < max_blocks:
+            num_tier_hits = self.offload.count_hits(request.block_hashes[len(hits) : max_blocks])
+        return hits, (len(hits) + num_tier_hits) * self.block_size
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(
@@ -98,51 +99,40 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         num_lookahead_tokens: int = 0,
-        new_computed_blocks: list[KVCacheBlock | None] | None = None,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int | None = None,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` (plus speculative lookahead slots) after the
         request's computed tokens, taking ``new_computed_blocks`` (prefix hits) first::
 
-            | computed | new_computed (hits: GPU blocks, or tier loads) | new tokens | lookahead |
+            | computed | new_computed (hits) | loaded (tier) | new tokens | lookahead |
+                                             ^ slots allocated here
 
-        A hit that is ``None`` is in the tier: a new block takes its place and its KV is copied
-        in before the step. ``num_new_computed_tokens`` (``get_computed_blocks``' count) may
-        exceed the hits: a swapped-out request's tokens, all loaded from the tier.
+        ``num_new_computed_tokens`` (``get_computed_blocks``' count) may exceed the GPU hits:
+        the rest is in the tier and is copied into the first new blocks before the step.
         Returns the newly allocated blocks, or None (nothing changed) if the pool is short.
         """
-        hits = list(new_computed_blocks or [])
-        if num_new_computed_tokens is not None:  # a swapped-out request's blocks: all loads
-            hits += [None] * cdiv(num_new_computed_tokens - len(hits) * self.block_size, self.block_size)
-        gpu_hits = [b for b in hits if b is not None]
+        new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + (
-            len(hits) * self.block_size if num_new_computed_tokens is None else num_new_computed_tokens
-        )
+        num_hit = len(new_computed_blocks) * self.block_size
+        num_loaded = 0 if num_new_computed_tokens is None else num_new_computed_tokens - num_hit
+        num_computed = request.num_computed_tokens + num_hit + num_loaded
         num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
-        num_new_blocks = max(0, num_required - len(req_blocks) - len(gpu_hits))
+        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
         # Hits that sit in the free queue stop being allocatable once we take them.
-        num_free_hits = sum(1 for b in gpu_hits if b.ref_cnt == 0)
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
             if not req_blocks:
                 del self.req_to_blocks[request.request_id]
             return None
 
-        self.pool.touch(gpu_hits)
+        self.pool.touch(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
-        loads: list[tuple[int, list[int]]] = []  # runs of tier loads: (first index, GPU block ids)
-        fresh = iter(new_blocks)
-        for hit in hits:  # a tier load takes the next new block
-            if hit is None:
-                hit = next(fresh)
-                if loads and loads[-1][0] + len(loads[-1][1]) == len(req_blocks):
-                    loads[-1][1].append(hit.block_id)
-                else:
-                    loads.append((len(req_blocks), [hit.block_id]))
-            req_blocks.append(hit)
-        req_blocks.extend(fresh)
-        for start, block_ids in loads:
-            self.offload.load(request, start, block_ids)
+        if num_loaded:
+            num_load_blocks = cdiv(num_loaded, self.block_size)
+            self.offload.load(request, len(req_blocks), [b.block_id for b in new_blocks[:num_load_blocks]])
+        req_blocks.extend(new_blocks)
 
         if self.enable_caching and not request.skip_prefix_cache:
             # Blocks full once this step's tokens are computed join the cache now: a request
