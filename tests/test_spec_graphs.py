@@ -336,8 +336,11 @@ def test_eagle_greedy_tokens_are_identical_with_drafting_graphs_eagerly_and_with
     and passes 2..k; under async scheduling) give the same greedy tokens."""
     monkeypatch.setattr(eagle_proposer, "DRAFT_GRAPHS_ENABLED", True)
     model_dir = make_model("fast_qwen3", "qwen3", **GPU_SHAPE)
-    train_eagle_head(model_dir, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
-    eagle = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
+    # A head trained briefly (an untrained one has nothing accepted, and adaptive drafting then
+    # backs every request off, so no step has 1 + k tokens each and the step graphs never
+    # replay): on the CPU this gives ~20 accepted drafts and ~80 uniform 1 + k steps.
+    train_eagle_head(model_dir, tmp_path / "head", EagleTrainConfig(steps=60, num_prompts=32, gen_len=48), log=lambda *_: None)
+    eagle = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head"), "adaptive": False}
     prompts = [{"prompt_token_ids": ([7 + i, 8 + i, 9 + i, 10 + i] * 30)[: 40 + 17 * i]} for i in range(5)]
     gen = torch.Generator().manual_seed(0)
     prompts += [{"prompt_token_ids": torch.randint(5, 500, (30 + 20 * i,), generator=gen).tolist()} for i in range(5)]
