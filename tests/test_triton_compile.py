@@ -111,7 +111,7 @@ SCRIPT = textwrap.dedent(
         compile_kernel(
             gemv_splitk._gemv_splitk_kernel,
             dict.fromkeys(["x_ptr", "w_ptr", "b_ptr"], TYPES[dtype]) | {"out_ptr": out_type},
-            dict(HAS_BIAS=split_k == 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+            dict(HAS_BIAS=split_k == 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=split_k != 3,
                  FP32_DOT=dtype == torch.float32, USE_PDL=True, INTERPRETED=False, num_warps=4, launch_pdl=True),
         )
         compile_kernel(

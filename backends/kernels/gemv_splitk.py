@@ -47,6 +47,7 @@ def _gemv_splitk_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: every split ends on a chunk boundary
     FP32_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -60,6 +61,8 @@ def _gemv_splitk_kernel(
     m_mask = rm < M
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    if EVEN_K:  # lets the compiler see the column masks constant over 16-byte vectors
+        k_end = tl.multiple_of(k_end, BLOCK_K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rm[:, None] * stride_xm
     rk = k_start + tl.arange(0, BLOCK_K)
@@ -177,6 +180,7 @@ def gemv_splitk(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         SPLIT_K=split_k,
+        EVEN_K=k % block_k == 0,
         FP32_DOT=x.dtype == torch.float32,
         USE_PDL=use_pdl,
         INTERPRETED=INTERPRETED,
