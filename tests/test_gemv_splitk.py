@@ -109,3 +109,19 @@ def test_triton_gemv_switch_routes_decode_projections_and_keeps_greedy_ids(kerne
     assert all(rows == 3 for rows, _ in used)
     torch.testing.assert_close(routed, plain, atol=0.05, rtol=0.02)
     assert torch.equal(routed.argmax(-1), plain.argmax(-1))
+
+
+@torch.no_grad()
+def test_min_rows_two_leaves_single_rows_to_the_one_row_gemv(kernels, monkeypatch):
+    """``PAGELM_TRITON_GEMV_MIN_ROWS=2``: a one-token step keeps the one-row GEMV (with its
+    norm and activation prologues), a three-token step takes the split-K GEMV."""
+    x, weight = randn(1, 32, dtype=torch.bfloat16), randn(16, 32, dtype=torch.bfloat16, seed=1)
+    monkeypatch.setattr(ops, "SPLITK_GEMV_ENABLED", True)
+    monkeypatch.setattr(ops, "SPLITK_GEMV_MIN_ROWS", 2)
+    one_row = importlib.import_module("pagelm.backends.kernels.gemv").gemv
+    assert ops._splitk_gemv(x, weight, True) is None and ops._gemv(x, weight, True) is one_row
+    rows3 = randn(3, 32, dtype=torch.bfloat16)
+    assert ops._splitk_gemv(rows3, weight, True) is kernels.gemv_splitk and ops._gemv(rows3, weight, True) is None
+    monkeypatch.setattr(ops, "SPLITK_GEMV_MIN_ROWS", 1)
+    assert ops._splitk_gemv(x, weight, True) is kernels.gemv_splitk and ops._gemv(x, weight, True) is None
+    torch.testing.assert_close(ops.linear(x, weight, use_triton=True), exact_linear(x, weight, None), atol=0.05, rtol=1.6e-2)

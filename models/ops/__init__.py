@@ -28,6 +28,8 @@ GEMV_DISABLED = os.environ.get("PAGELM_DISABLE_GEMV", "0").lower() in ("1", "tru
 # until a GPU run shows it beats the one-row GEMV's prologue fusion and cuBLAS at 2..8 rows.
 SPLITK_GEMV_ENABLED = os.environ.get("PAGELM_TRITON_GEMV", "0").lower() in ("1", "true", "on", "yes")
 SPLITK_GEMV_MAX_ROWS = 8
+# ``PAGELM_TRITON_GEMV_MIN_ROWS=2``: single rows keep the one-row GEMV and its prologue fusion.
+SPLITK_GEMV_MIN_ROWS = int(os.environ.get("PAGELM_TRITON_GEMV_MIN_ROWS", "1"))
 # ``PAGELM_ROTARY_KV_FUSION=1`` lets an attention backend run the q/k norm and rotary in its
 # K/V store kernel. Opt-in until a GPU run has checked the fused kernel (it is tested on the
 # CPU under Triton's interpreter, where a GPU-only ordering bug cannot show); then the default.
@@ -120,20 +122,24 @@ def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Te
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, use_triton: bool | None):
     """The GEMV kernel where it applies to ``x @ weight.T`` (one contiguous bf16/fp16 row),
-    else None. With the split-K GEMV on, None: the fused callers run their ops apart and the
-    projection takes the split-K kernel."""
+    else None. None also where the split-K GEMV takes the row count: the fused callers then
+    run their ops apart and the projection takes the split-K kernel."""
     if use_triton is None:
         use_triton = fused_ops_enabled(x) and not GEMV_DISABLED
     applies = (
         use_triton
-        and not SPLITK_GEMV_ENABLED
         and x.dim() == 2
         and x.shape[0] == 1
         and x.dtype in (torch.bfloat16, torch.float16)
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
     )
-    return fused_kernel("gemv") if applies else None
+    return fused_kernel("gemv") if applies and not _splitk_gemv_rows(x) else None
+
+
+def _splitk_gemv_rows(x: torch.Tensor) -> bool:
+    """Whether ``PAGELM_TRITON_GEMV=1`` gives ``x``'s row count to the split-K GEMV."""
+    return SPLITK_GEMV_ENABLED and SPLITK_GEMV_MIN_ROWS <= x.shape[0] <= SPLITK_GEMV_MAX_ROWS
 
 
 def _splitk_gemv(x: torch.Tensor, weight: torch.Tensor, use_triton: bool | None):
@@ -146,7 +152,7 @@ def _splitk_gemv(x: torch.Tensor, weight: torch.Tensor, use_triton: bool | None)
     applies = (
         use_triton
         and x.dim() == 2
-        and 1 <= x.shape[0] <= SPLITK_GEMV_MAX_ROWS
+        and _splitk_gemv_rows(x)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.stride(-1) == 1
