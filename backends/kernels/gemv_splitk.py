@@ -137,12 +137,16 @@ def gemv_splitk_config(m: int, n: int, k: int, num_sms: int = 132) -> tuple[int,
     block_n = 32 if n >= 2048 else 16
     if m > 1:  # tl.dot tiles: 16-row weight tiles keep the dot's registers small
         block_n = max(block_n, 16)
+    return block_n, block_k, split_k_for(n, k, block_n, block_k, num_sms), 4
+
+
+def split_k_for(n: int, k: int, block_n: int, block_k: int, num_sms: int, programs_per_sm: int = 4) -> int:
+    """How many splits of K give ``programs_per_sm`` programs per SM (at most one per chunk)."""
     n_blocks = triton.cdiv(n, block_n)
     chunks = triton.cdiv(k, block_k)
-    wanted = min(chunks, max(1, triton.cdiv(4 * num_sms, n_blocks)))
+    wanted = min(chunks, max(1, triton.cdiv(programs_per_sm * num_sms, n_blocks)))
     chunks_per_split = max(1, chunks // wanted)  # rounded down: at least the splits wanted
-    split_k = triton.cdiv(chunks, chunks_per_split)
-    return block_n, block_k, split_k, 4
+    return triton.cdiv(chunks, chunks_per_split)
 
 
 def gemv_splitk(

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pagelm.backends.kernels.gemv import gemv
-from pagelm.backends.kernels.gemv_splitk import _num_sms, gemv_splitk, gemv_splitk_config
+from pagelm.backends.kernels.gemv_splitk import _num_sms, gemv_splitk, gemv_splitk_config, split_k_for
 
 SHAPES = {  # (name, N, K): torch Linear weight [N, K]
     "qwen3-0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072),
@@ -60,6 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     device = torch.device("cuda")
@@ -100,9 +101,34 @@ def main() -> None:
                       flush=True)
             del weights
             torch.cuda.empty_cache()
+    if args.sweep:
+        rows.extend(sweep(dtype, device))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(device), dtype=args.dtype, rows=rows), f, indent=1)
+
+
+def sweep(dtype: torch.dtype, device: torch.device) -> list[dict]:
+    print("sweep: model proj M (BLOCK_N, BLOCK_K, split, warps) us TB/s")
+    results = []
+    for name, n, k in SHAPES["qwen3-0.6b"][:4]:
+        weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(CALLS)]
+        for m in (1, 4):
+            xs = [torch.randn(m, k, device=device, dtype=dtype) for _ in range(CALLS)]
+            moved = (n * k + m * k + m * n) * dtype.itemsize
+            for block_n in (16, 32, 64) if m == 1 else (16, 32):
+                for block_k in (256, 512):
+                    for per_sm in (2, 4, 8):
+                        for warps in (4, 8) if m == 1 and per_sm == 4 else (4,):
+                            config = (block_n, block_k, split_k_for(n, k, block_n, block_k, _num_sms(device), per_sm), warps)
+                            t = time_graph(lambda x, w: gemv_splitk(x, w, config=config), weights, xs)
+                            results.append(dict(sweep=True, proj=name, n=n, k=k, m=m, config=config, splitk_us=t,
+                                                splitk_tbs=moved / (t * 1e-6) / 1e12))
+            best = sorted((r for r in results if r["proj"] == name and r["m"] == m), key=lambda r: r["splitk_us"])[:3]
+            for r in best:
+                print(f"sweep: qwen3-0.6b {name:8} {m} {str(r['config']):>20} {r['splitk_us']:6.2f} {r['splitk_tbs']:5.2f}", flush=True)
+        del weights
+    return results
 
 
 if __name__ == "__main__":
