@@ -23,7 +23,6 @@ SCRIPT = textwrap.dedent(
     from triton.compiler import ASTSource
     from pagelm.backends.triton import kv_store, paged_attention as pa
     from pagelm.backends.kernels import gemv as triton_gemv
-    from pagelm.backends.kernels import gemv_splitk
 
     TARGET = GPUTarget("cuda", 90, 32)
     TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
@@ -100,25 +99,6 @@ SCRIPT = textwrap.dedent(
             | {"eps": "fp32"},
             dict(HAS_BIAS=False, SILU_INPUT=silu, NORM=norm, HAS_RESIDUAL=residual, BLOCK_N=4, BLOCK_K=1024,
                  EVEN_K=even_k, USE_PDL=True, INTERPRETED=False, num_warps=4, launch_pdl=True),
-        )
-    for dtype, block_m, block_n, block_k, split_k in [
-        (torch.bfloat16, 1, 32, 256, 4),    # one row, Qwen3-0.6B qkv
-        (torch.bfloat16, 16, 32, 512, 4),   # 2..8 rows on the tensor cores, Llama-3.1-8B qkv
-        (torch.float16, 16, 16, 256, 1),    # one split: y written directly, with a bias
-        (torch.float32, 16, 16, 256, 3),    # exact float32 dot
-    ]:
-        out_type = TYPES[dtype] if split_k == 1 else "*fp32"
-        compile_kernel(
-            gemv_splitk._gemv_splitk_kernel,
-            dict.fromkeys(["x_ptr", "w_ptr", "b_ptr"], TYPES[dtype]) | {"out_ptr": out_type},
-            dict(HAS_BIAS=split_k == 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=split_k != 3,
-                 FP32_DOT=dtype == torch.float32, USE_PDL=True, INTERPRETED=False, num_warps=4, launch_pdl=True),
-        )
-        compile_kernel(
-            gemv_splitk._reduce_splits_kernel,
-            {"y_ptr": TYPES[dtype], "partial_ptr": "*fp32", "b_ptr": TYPES[dtype]},
-            dict(HAS_BIAS=True, SPLIT_K=split_k, BLOCK=1024, USE_PDL=True, INTERPRETED=False, num_warps=4,
-                 launch_pdl=True),
         )
     print("compiled")
     """

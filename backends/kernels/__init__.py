@@ -12,7 +12,6 @@ _KERNELS = {
     "rotary_embedding": "rotary:rotary_embedding",
     "silu_and_mul": "activation:silu_and_mul",
     "gemv": "gemv:gemv",
-    "gemv_splitk": "gemv_splitk:gemv_splitk",
     "apply_token_bitmask": "bitmask:apply_token_bitmask_triton",
     "exponential_race": "race:exponential_race_triton",
     "derive_step_inputs": "graph_inputs:derive_step_inputs",

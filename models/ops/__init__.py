@@ -23,13 +23,6 @@ FUSED_OPS_DISABLED = os.environ.get("PAGELM_DISABLE_FUSED_OPS", "0").lower() in 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 # ``PAGELM_DISABLE_GEMV=1`` keeps decode projections on cuBLAS (to compare the two).
 GEMV_DISABLED = os.environ.get("PAGELM_DISABLE_GEMV", "0").lower() in ("1", "true", "on", "yes")
-# ``PAGELM_TRITON_GEMV=1``: projections of 1..8 rows (bf16/fp16, CUDA) take the split-K GEMV
-# (``gemv_splitk``), with the norm and activation as their own kernels before it. Opt-in
-# until a GPU run shows it beats the one-row GEMV's prologue fusion and cuBLAS at 2..8 rows.
-SPLITK_GEMV_ENABLED = os.environ.get("PAGELM_TRITON_GEMV", "0").lower() in ("1", "true", "on", "yes")
-SPLITK_GEMV_MAX_ROWS = 8
-# ``PAGELM_TRITON_GEMV_MIN_ROWS=2``: single rows keep the one-row GEMV and its prologue fusion.
-SPLITK_GEMV_MIN_ROWS = int(os.environ.get("PAGELM_TRITON_GEMV_MIN_ROWS", "1"))
 # ``PAGELM_ROTARY_KV_FUSION=1`` lets an attention backend run the q/k norm and rotary in its
 # K/V store kernel. Opt-in until a GPU run has checked the fused kernel (it is tested on the
 # CPU under Triton's interpreter, where a GPU-only ordering bug cannot show); then the default.
@@ -122,8 +115,7 @@ def silu_and_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Te
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, use_triton: bool | None):
     """The GEMV kernel where it applies to ``x @ weight.T`` (one contiguous bf16/fp16 row),
-    else None. None also where the split-K GEMV takes the row count: the fused callers then
-    run their ops apart and the projection takes the split-K kernel."""
+    else None."""
     if use_triton is None:
         use_triton = fused_ops_enabled(x) and not GEMV_DISABLED
     applies = (
@@ -134,42 +126,14 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, use_triton: bool | None):
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
     )
-    return fused_kernel("gemv") if applies and not _splitk_gemv_rows(x) else None
-
-
-def _splitk_gemv_rows(x: torch.Tensor) -> bool:
-    """Whether ``PAGELM_TRITON_GEMV=1`` gives ``x``'s row count to the split-K GEMV."""
-    return SPLITK_GEMV_ENABLED and SPLITK_GEMV_MIN_ROWS <= x.shape[0] <= SPLITK_GEMV_MAX_ROWS
-
-
-def _splitk_gemv(x: torch.Tensor, weight: torch.Tensor, use_triton: bool | None):
-    """The split-K GEMV where it applies to ``x @ weight.T`` (``PAGELM_TRITON_GEMV=1``, 1..8
-    contiguous bf16/fp16 rows), else None."""
-    if not SPLITK_GEMV_ENABLED:
-        return None
-    if use_triton is None:
-        use_triton = fused_ops_enabled(x)
-    applies = (
-        use_triton
-        and x.dim() == 2
-        and _splitk_gemv_rows(x)
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
-        and x.stride(-1) == 1
-        and weight.stride(-1) == 1
-    )
-    return fused_kernel("gemv_splitk") if applies else None
+    return fused_kernel("gemv") if applies else None
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, use_triton: bool | None = None
 ) -> torch.Tensor:
     """``F.linear``; a single row (batch-1 decode, bf16/fp16) on CUDA takes the Triton GEMV,
-    which reads small weights at close to HBM bandwidth where cuBLAS's tiles do not; with
-    ``PAGELM_TRITON_GEMV=1``, 1..8 rows take the split-K GEMV instead."""
-    splitk = _splitk_gemv(x, weight, use_triton)
-    if splitk is not None:
-        return splitk(x, weight, bias)
+    which reads small weights at close to HBM bandwidth where cuBLAS's tiles do not."""
     gemv = _gemv(x, weight, use_triton)
     if gemv is not None:
         return gemv(x, weight, bias)
@@ -209,7 +173,6 @@ def rms_norm_linear(
 __all__ = [
     "FUSED_OPS_DISABLED",
     "ROTARY_KV_FUSION_DISABLED",
-    "SPLITK_GEMV_ENABLED",
     "fused_ops_enabled",
     "linear",
     "qk_norm_rotary_embedding",
