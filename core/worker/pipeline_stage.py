@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from datetime import timedelta
 
 import torch
 from torch import nn
@@ -46,6 +47,9 @@ from pagelm.distributed import (
 from pagelm.sample.sampler import LogprobsTensors
 
 logger = logging.getLogger(__name__)
+
+# How long ``close`` waits for one send still in flight (a live peer takes it at once).
+_CLOSE_WAIT_S = 5.0
 
 
 class PipelineStage:
@@ -180,9 +184,13 @@ class PipelineStage:
         it), and log the profile (``PAGELM_PP_PROFILE``)."""
         self.before_forward = None
         sends, self._sends = self._sends, []
-        for step in sends:
-            for work, _ in step:
-                work.wait()
+        try:
+            for step in sends:
+                for work, _ in step:
+                    if not work.is_completed():
+                        work.wait(timedelta(seconds=_CLOSE_WAIT_S))
+        except Exception as e:  # the next stage is gone (a rank failed): nothing will take them
+            logger.warning("pipeline stage %d: sends still in flight at shutdown dropped (%s)", self.stage_index, e)
         if self._profile is not None:
             self._profile.report(self.stage_index)
             self._profile = None
