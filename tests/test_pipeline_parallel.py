@@ -173,6 +173,34 @@ def test_the_running_requests_split_into_two_micro_batches(llama_dir):
     assert {size for size, _ in decode_steps} == {4} and all(in_flight == 1 for _, in_flight in decode_steps[1:])
 
 
+def test_the_oldest_step_is_sampled_inside_the_next_launch_and_each_stage_is_profiled(llama_dir, monkeypatch, caplog):
+    # The engine tells every rank to sample the oldest step inside the launch it finishes
+    # right after (the last stage does it between the receive and the forward pass);
+    # PAGELM_PP_PROFILE=1 times every forward pass of each stage and reports at shutdown.
+    monkeypatch.setenv("PAGELM_PP_PROFILE", "1")
+    prompts = _prompts(8)
+    with LLM(str(llama_dir), dtype="float32", pipeline_parallel_size=2) as llm:
+        core = llm.engine.core
+        launched = []  # (steps in flight before the launch, the step it samples first, non-empty)
+        launch = core.runner.launch
+
+        def recording_launch(sched, **kw):
+            oldest = core._batch_queue[0] if core._batch_queue else None
+            launched.append((len(core._batch_queue), kw.get("sample_first") is oldest, not sched.is_empty))
+            return launch(sched, **kw)
+
+        core.runner.launch = recording_launch
+        got = _ids(llm, prompts)
+        stage = core.runner.pipeline
+        num_forwards = len(stage._profile.spans)
+    assert got == _run(llama_dir, prompts)
+    assert all(same for _, same, _ in launched)
+    assert sum(queued == 1 for queued, _, _ in launched) > 0  # decodes launched with one step in flight
+    assert num_forwards == sum(work for _, _, work in launched) > 0
+    assert stage._sends == [] and stage._profile is None  # closed: sends waited, profile reported
+    assert any(f"stage 0: {num_forwards} forward passes" in r.getMessage() for r in caplog.records)
+
+
 def _ids_of(outs):
     return [o.outputs[0].token_ids for o in outs]
 

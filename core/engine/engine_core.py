@@ -430,13 +430,20 @@ class EngineCore:
             sched_out = self._schedule()
             # A request is in one step at a time, so its grammar has its tokens already.
             freeze_grammar_bitmask(sched_out)
-            self._on_other_ranks("step", encode_scheduler_output(sched_out))
-            queue.append(self.runner.launch(sched_out, defer_sampling=True))
+            # The oldest step is finished right after this launch: the last stage samples it
+            # and shares its ids between receiving this step's input and running it, so that
+            # rank 0 schedules its requests' next step while the last stage runs this one
+            # (sampled after this step's forward pass, the ids reached rank 0 only once the
+            # last stage had run both micro-batches, and the first stage waited meanwhile).
+            finishes_next = bool(queue) and (sched_out.is_empty or len(queue) + 1 >= self.config.pipeline_parallel_size)
+            self._on_other_ranks("step", encode_scheduler_output(sched_out), finishes_next)
+            oldest = queue[0] if finishes_next else None
+            queue.append(self.runner.launch(sched_out, defer_sampling=True, sample_first=oldest))
             if not sched_out.is_empty and len(queue) < self.config.pipeline_parallel_size:
                 return []
         self._on_other_ranks("finish")
         pending = queue.popleft()
-        if pending.output is None:  # every rank takes part in the broadcast of its ids
+        if pending.output is None and pending.sampled_host is None:  # every rank takes part in the broadcast of its ids
             self.runner.sample(pending)
         return self._finish(pending)
 

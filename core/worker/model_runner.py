@@ -249,6 +249,8 @@ class ModelRunner:
         self.cuda_graphs = None
         if self.spec is not None:
             self.spec.release_cuda_graphs()
+        if self.pipeline is not None:
+            self.pipeline.close()
         if self.device.type == "cuda":
             gc.collect()  # a graph's memory goes with its last reference
             torch.cuda.synchronize(self.device)
@@ -322,12 +324,17 @@ class ModelRunner:
             self.pipeline.reset()
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> PendingStep:
+    def launch(
+        self, sched: SchedulerOutput, defer_sampling: bool = False, sample_first: PendingStep | None = None
+    ) -> PendingStep:
         """Queue one step on the device: its inputs, the forward pass, sampling, and the copy of
         the sampled ids to host memory; return without waiting for it. Each request that
         samples gets a placeholder at the end of its token list until ``finish``.
         ``defer_sampling``: stop after the forward pass; ``sample`` queues the rest (guided
-        requests under async scheduling, whose bitmask waits for the previous step)."""
+        requests under async scheduling, whose bitmask waits for the previous step).
+        ``sample_first`` (pipeline parallelism: the oldest step in flight, finished right after
+        this launch): the last stage samples and shares it between receiving this step's input
+        and running this step's part of the forward pass."""
         if self._in_flight is not None and self.spec is not None and self.spec.keeps_steps_in_flight:
             self.spec.keep_in_flight(self, self._in_flight)  # before this step takes its rows and buffers
         self._update_states(sched)
@@ -365,13 +372,18 @@ class ModelRunner:
                 self._feed_samples(previous, step, feeds)
         if self._inputs_uploaded is not None:
             self._inputs_uploaded.record()
+        if (
+            sample_first is not None and sample_first.output is None and sample_first.sampled_host is None
+            and self.pipeline is not None and self.pipeline.is_last
+        ):
+            self.pipeline.before_forward = lambda: self.sample(sample_first)
         logits, hidden = self.compute_logits(step, return_hidden=True)
         pending = PendingStep(sched, req_ids, states, self._add_placeholders(states, starts, counts))
         if self.spec is not None and self.spec.keeps_launched_steps:  # proposed from after later launches
             step = self.spec.keep_inputs(self, step, states)
         pending.inputs, pending.hidden, pending.starts, pending.counts = step, hidden, starts, counts
         pending.logits, pending.sampling_metadata = logits, md
-        if logits is not None and logits.is_cuda:  # the race's noise needs no logit: queued now, with the forward pass
+        if logits is not None and logits.is_cuda and self.pipeline is None:  # the race's noise needs no logit: queued now, with the forward pass
             pending.noise = self.sampler.draw_noise(logits, md, self.generator)
         # Pipeline stages keep several steps in flight, over requests of their own: none feeds
         # another, each is sampled when the engine finishes it.

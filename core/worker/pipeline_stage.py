@@ -18,10 +18,21 @@ its own) are in flight, so the stages work at once::
                                           is launched everywhere
 
 A request takes part in one step at a time (the scheduler's ``await_samples``): its next
-token's input is the id the last stage samples.
+token's input is the id the last stage samples. The last stage samples the oldest step
+(``before_forward``) between receiving the next step's input and running it: then A's ids
+reach rank 0 as stage 0 finishes B, and rank 0 schedules A' while stage 1 runs B.
+
+``PAGELM_PP_PROFILE=1`` times each stage's part of every forward pass (CUDA events on a GPU)
+and logs, when the stage is closed, its busy fraction of the time from its first forward
+pass to its last; off (the default) it costs one attribute test per step.
 """
 
 from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
 
 import torch
 from torch import nn
@@ -35,6 +46,11 @@ from pagelm.distributed import (
 )
 from pagelm.sample.sampler import LogprobsTensors
 
+logger = logging.getLogger(__name__)
+
+# How long ``close`` waits for one send still in flight (a live peer takes it at once).
+_CLOSE_WAIT_S = 5.0
+
 
 class PipelineStage:
     def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
@@ -47,6 +63,19 @@ class PipelineStage:
         self.dtype, self.device = dtype, device
         # Sends to the next stage not yet known complete, oldest step first.
         self._sends: list[list] = []
+        # Run on the last stage after the receive, before the forward pass (set per launch).
+        self.before_forward = None
+        self.stage_index = state.pp_rank
+        self._profile = _StageProfile(device) if os.environ.get("PAGELM_PP_PROFILE") == "1" else None
+
+    def _received(self) -> None:
+        """This step's input is here: the oldest step's sampling first (last stage), then the
+        forward pass (timed under ``PAGELM_PP_PROFILE``)."""
+        if self.before_forward is not None:
+            hook, self.before_forward = self.before_forward, None
+            hook()
+        if self._profile is not None:
+            self._profile.start()
 
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """This stage's part of the forward pass: the hidden states on the last stage, None on
@@ -55,7 +84,10 @@ class PipelineStage:
         if not self.is_first:
             empty = model.make_empty_intermediate_tensors(positions.shape[0], self.dtype, self.device)
             intermediate = recv_from_previous_stage(empty)
+        self._received()
         out = model(input_ids, positions, intermediate)
+        if self._profile is not None:
+            self._profile.stop()
         if self.is_last:
             return out
         self._sends.append(send_to_next_stage(out))
@@ -68,7 +100,10 @@ class PipelineStage:
         after. The graph's ``(hidden, logits)`` on the last stage, None on the others."""
         if not self.is_first:
             recv_from_previous_stage({name: t[:num_tokens] for name, t in graphs.intermediate.items()})
+        self._received()
         hidden, logits = graphs.replay(size)
+        if self._profile is not None:
+            self._profile.stop()
         if self.is_last:
             # Copies: the step is sampled when the engine finishes it, after later steps'
             # replays have overwritten the graph's outputs.
@@ -141,6 +176,64 @@ class PipelineStage:
     def reset(self) -> None:
         """Forget the sends of failed steps."""
         self._sends.clear()
+        self.before_forward = None
+
+    def close(self) -> None:
+        """Before leaving the process group: wait for the sends still in flight (NCCL's
+        teardown waits for outstanding point-to-point work, and a send's tensor must outlive
+        it), and log the profile (``PAGELM_PP_PROFILE``)."""
+        self.before_forward = None
+        sends, self._sends = self._sends, []
+        try:
+            for step in sends:
+                for work, _ in step:
+                    if not work.is_completed():
+                        work.wait(timedelta(seconds=_CLOSE_WAIT_S))
+        except Exception as e:  # the next stage is gone (a rank failed): nothing will take them
+            logger.warning("pipeline stage %d: sends still in flight at shutdown dropped (%s)", self.stage_index, e)
+        if self._profile is not None:
+            self._profile.report(self.stage_index)
+            self._profile = None
+
+
+class _StageProfile:
+    """Busy time of one stage: its forward passes' spans, host clock on CPU, CUDA events on
+    a GPU (read once, at ``report``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.spans: list = []
+        self._open = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._open = torch.cuda.Event(enable_timing=True)
+            self._open.record()
+        else:
+            self._open = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        else:
+            end = time.perf_counter()
+        self.spans.append((self._open, end))
+
+    def report(self, stage: int) -> None:
+        if not self.spans:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+            first = self.spans[0][0]
+            spans = [(first.elapsed_time(a) / 1e3, first.elapsed_time(b) / 1e3) for a, b in self.spans]
+        else:
+            spans = [(a - self.spans[0][0], b - self.spans[0][0]) for a, b in self.spans]
+        wall = spans[-1][1] - spans[0][0]
+        busy = sum(b - a for a, b in spans)
+        line = (f"pagelm pp profile: stage {stage}: {len(spans)} forward passes, busy {busy:.3f} s of "
+                f"{wall:.3f} s = {busy / wall if wall > 0 else 0.0:.1%} (idle {1 - busy / wall if wall > 0 else 0.0:.1%})")
+        logger.warning(line)
 
 
 def _empty_logprobs(n: int, k: int, device: torch.device) -> LogprobsTensors:

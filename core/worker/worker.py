@@ -121,7 +121,8 @@ def run_worker(
             if kind == "step" and in_flight is None:
                 runner.finish(runner.launch(decode_scheduler_output(args[0])))
             elif kind == "step":  # pipeline: launched now, finished by its own message
-                in_flight.append(runner.launch(decode_scheduler_output(args[0]), defer_sampling=True))
+                oldest = in_flight[0] if args[1] else None  # finished next: sampled inside this launch
+                in_flight.append(runner.launch(decode_scheduler_output(args[0]), defer_sampling=True, sample_first=oldest))
             elif kind == "finish":
                 finish_pipelined(runner, in_flight.popleft())
             elif kind == "kv_cache":
@@ -146,7 +147,7 @@ def run_worker(
 def finish_pipelined(runner: ModelRunner, pending: PendingStep):
     """Finish a step launched with its sampling deferred (pipeline parallelism): every rank
     takes part in the broadcast of its sampled ids, then reads them."""
-    if pending.output is None:
+    if pending.output is None and pending.sampled_host is None:  # not sampled inside a later launch
         runner.sample(pending)
     return runner.finish(pending)
 
