@@ -118,6 +118,7 @@ def serve(conn: MsgSocket) -> int:
         assert kind == "init", kind
         config = EngineConfig(**config_dict)
         share_cpu(config)
+        use_own_gpu(config)
         core = EngineCore(config, frozenset(eos))
     except Exception as exc:  # a bad config or model: tell the API process why, then exit
         conn.send(["error", type(exc).__name__, str(exc)])
@@ -173,6 +174,18 @@ def share_cpu(config: EngineConfig) -> None:
     if "OMP_NUM_THREADS" in os.environ or config.resolved_device().type != "cpu":
         return
     torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) - 1)))
+
+
+def use_own_gpu(config: EngineConfig) -> None:
+    """A core on ``cuda:N`` (a data-parallel replica's, from N = 1 on) makes N this process's
+    current GPU before building anything: Triton launches its kernels, and CUDA graphs are
+    captured, on the current GPU, which is otherwise GPU 0 ("Pointer argument cannot be
+    accessed from Triton" on two H100s)."""
+    import torch
+
+    device = config.resolved_device()
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
 
 
 def main(argv: list[str] | None = None) -> int:
