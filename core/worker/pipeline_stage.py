@@ -77,6 +77,10 @@ class PipelineStage:
         if self._profile is not None:
             self._profile.start()
 
+    def _ran(self) -> None:
+        if self._profile is not None:
+            self._profile.stop()
+
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """This stage's part of the forward pass: the hidden states on the last stage, None on
         the others (their output went to the next stage)."""
@@ -86,8 +90,7 @@ class PipelineStage:
             intermediate = recv_from_previous_stage(empty)
         self._received()
         out = model(input_ids, positions, intermediate)
-        if self._profile is not None:
-            self._profile.stop()
+        self._ran()
         if self.is_last:
             return out
         self._sends.append(send_to_next_stage(out))
@@ -102,8 +105,7 @@ class PipelineStage:
             recv_from_previous_stage({name: t[:num_tokens] for name, t in graphs.intermediate.items()})
         self._received()
         hidden, logits = graphs.replay(size)
-        if self._profile is not None:
-            self._profile.stop()
+        self._ran()
         if self.is_last:
             # Copies: the step is sampled when the engine finishes it, after later steps'
             # replays have overwritten the graph's outputs.
@@ -231,9 +233,9 @@ class _StageProfile:
             spans = [(a - self.spans[0][0], b - self.spans[0][0]) for a, b in self.spans]
         wall = spans[-1][1] - spans[0][0]
         busy = sum(b - a for a, b in spans)
-        line = (f"pagelm pp profile: stage {stage}: {len(spans)} forward passes, busy {busy:.3f} s of "
-                f"{wall:.3f} s = {busy / wall if wall > 0 else 0.0:.1%} (idle {1 - busy / wall if wall > 0 else 0.0:.1%})")
-        logger.warning(line)
+        share = busy / wall if wall > 0 else 0.0
+        logger.warning("pagelm pp profile: stage %d: %d forward passes, busy %.3f s of %.3f s = %.1f%% (idle %.1f%%)",
+                       stage, len(spans), busy, wall, 100 * share, 100 * (1 - share))
 
 
 def _empty_logprobs(n: int, k: int, device: torch.device) -> LogprobsTensors:
