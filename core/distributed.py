@@ -81,6 +81,9 @@ def parallel_state() -> ParallelState:
 # dtype -> this rank's symmetric-memory buffer (made on first use, in the eager profile run
 # that comes before any CUDA graph is captured); None: the path is off or unavailable.
 _symm_buffers: dict[torch.dtype, torch.Tensor] | None = None
+# Symmetric-memory rendezvous this process has tried, over every world it joined (torch keeps
+# its own count, which no teardown resets: see _symm_histories_agree).
+_symm_rendezvous_count = 0
 
 
 def init_distributed(
@@ -116,7 +119,8 @@ def init_distributed(
                 if stage == rank // tp_size:
                     tp_group = group
     _state = ParallelState(rank % tp_size, tp_size, rank // tp_size, pp_size, tp_group)
-    _symm_buffers = {} if custom_all_reduce and tp_size > 1 and device.type == "cuda" else None
+    symm = custom_all_reduce and tp_size > 1 and device.type == "cuda"
+    _symm_buffers = {} if symm and _symm_histories_agree(device) else None
 
 
 def destroy_distributed() -> None:
@@ -167,11 +171,28 @@ def _group_name() -> str:
     return (_state.tp_group or dist.group.WORLD).group_name
 
 
+def _symm_histories_agree(device: torch.device) -> bool:
+    """Whether every rank's process has made as many symmetric-memory rendezvous before this
+    world as this one (a collective). torch numbers a process's rendezvous and its store keys
+    carry the number, so rank 0 that served an earlier TP engine and freshly started ranks
+    would wait on different keys until the distributed timeout (seen on two H100s: a second
+    TP=2 engine in one process stalled 300 s, then fell back to NCCL). If they differ, NCCL
+    serves every all-reduce of this world."""
+    least = min_over_ranks(_symm_rendezvous_count, device)
+    if least == -min_over_ranks(-_symm_rendezvous_count, device):
+        return True
+    logger.info(
+        "symmetric-memory all-reduce off for this engine: a rank's process made symmetric memory for an "
+        "earlier engine, so the ranks' rendezvous would not meet; NCCL for every all-reduce"
+    )
+    return False
+
+
 def _symm_buffer(dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """This rank's buffer for ``dtype``, made and exchanged with the other ranks (a collective:
     every rank reaches it at the same all-reduce). None, and NCCL from then on, where this
     torch or machine has no symmetric memory."""
-    global _symm_buffers
+    global _symm_buffers, _symm_rendezvous_count
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -180,6 +201,7 @@ def _symm_buffer(dtype: torch.dtype, device: torch.device) -> torch.Tensor | Non
             if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9
                 symm_mem.enable_symm_mem_for_group(_group_name())
             buffer = symm_mem.empty(SYMM_MEM_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
+            _symm_rendezvous_count += 1  # counted when tried: torch numbers a failed one too
             symm_mem.rendezvous(buffer, _group_name())
     except Exception as e:  # an old torch, no P2P between the GPUs: NCCL serves every size
         logger.warning("symmetric-memory all-reduce unavailable (%s); NCCL for every all-reduce", e)
