@@ -10,6 +10,7 @@ scheduling").
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 from collections import deque
@@ -139,6 +140,7 @@ class EngineCore:
         """The ranks told to stop first, then every rank leaves the process group at the same
         time: NCCL's teardown waits for the peers, so rank 0 joining the ranks before leaving
         (while they wait for it inside theirs) hung a TP=2 engine's shutdown on two H100s."""
+        atexit.unregister(self._stop_ranks)
         if self.executor is not None:
             try:
                 self._on_other_ranks("shutdown")
@@ -182,6 +184,10 @@ class EngineCore:
         except BaseException:
             executor.shutdown()
             raise
+        # A script that never shuts its engine down must still exit: at interpreter exit
+        # multiprocessing joins the ranks, which wait for rank 0's next message forever
+        # (atexit runs this first: it was registered after multiprocessing's own hook).
+        atexit.register(self._stop_ranks)
         return executor
 
     def _on_other_ranks(self, kind: str, *args) -> None:
