@@ -101,7 +101,7 @@ class RejectionSampler:
         ``[n, k]`` the draft ids (-1 past a request's drafts), ``[n]`` each request's first row."""
         rows, drafts, first = layout[: num_reqs * k], layout[num_reqs * k : 2 * num_reqs * k], layout[2 * num_reqs * k :]
         match = (sampled[rows] == drafts).view(num_reqs, k)
-        accepted = match.cumprod(dim=1).sum(dim=1)
+        accepted = match.long().cumprod(dim=1).sum(dim=1)
         return accepted, sampled[first + accepted]
 
     @staticmethod

@@ -40,6 +40,7 @@ ids come to the host first and the proposer drafts after (a second sync for devi
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ import torch
 
 from pagelm.attention import CommonAttentionMetadata, GraphSupport
 from pagelm.kv_cache import cdiv
+from pagelm.registry import PluginError
 from pagelm.sample import RejectionSampler
 from pagelm.sample.sampler import LogprobsTensors
 from pagelm.sampling_params import num_logprobs
@@ -287,9 +289,10 @@ class SpecDecodeRunner:
         j = np.arange(k)
         layout = np.full((2 * n * k + n,), -1, dtype=np.int64)
         layout[: n * k] = (row_start[:, None] + np.minimum(j[None, :], num_drafts[:, None])).reshape(-1)
-        flat = layout[n * k : 2 * n * k].reshape(n, k)
-        for i, d in enumerate(drafts):
-            flat[i, : len(d)] = d
+        has_draft = j[None, :] < num_drafts[:, None]  # row-major: the drafts in request order
+        layout[n * k : 2 * n * k][has_draft.reshape(-1)] = np.fromiter(
+            itertools.chain.from_iterable(drafts), dtype=np.int64, count=int(num_drafts.sum())
+        )
         layout[2 * n * k :] = row_start
         layout_dev = torch.from_numpy(layout).to(runner.device, non_blocking=True)
         num_accepted, next_tokens = self.rejection_sampler.accepted_on_device(ids, layout_dev, n, k)
@@ -308,7 +311,11 @@ class SpecDecodeRunner:
                 host = ids.tolist()
                 drafted = None
             else:
-                assert tuple(device_drafts.shape) == (n, k), f"propose_on_device gave {tuple(device_drafts.shape)}, not {(n, k)}"
+                if tuple(device_drafts.shape) != (n, k):
+                    raise PluginError(
+                        f"proposer {self.proposer.name!r}: propose_on_device() must return [{n}, {k}] draft ids "
+                        f"(one row of k per request), got {tuple(device_drafts.shape)}"
+                    )
                 host = torch.cat([ids, device_drafts.reshape(-1)]).tolist()
                 drafted = np.asarray(host[len(host) - n * k :], dtype=np.int64).reshape(n, k)
         verified = self.rejection_sampler.accept(host[: ids.shape[0]], sampled.logprobs, [list(d) for d in drafts])
