@@ -31,7 +31,6 @@ their LM heads use the target's (``compute_logits``).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from pathlib import Path
@@ -48,8 +47,6 @@ from pagelm.plugins.spec_decode.medusa_graphs import MedusaDraftGraphs
 from pagelm.spec_decode import DraftGraphSetup, VerifyingStep
 
 PAGELM_PLUGIN_API = "2.18"
-
-logger = logging.getLogger("pagelm")
 
 # Drafting is captured for up to this many drafting requests (EAGLE's limit, and the
 # verification graphs').

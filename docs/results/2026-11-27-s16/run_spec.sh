@@ -34,8 +34,8 @@ if [ "$1" = "ab" ]; then
     exit 0
 fi
 
-timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors tests/test_spec_graphs.py \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors tests/test_spec_graphs.py \
     -k "eagle or medusa" -rA 2>&1 | grep -E "PASS|FAIL|passed|failed|^E " | tail -8 | tee -a $OUT/log
-demo eagle 130 --speculative-config "$EAGLE" --compare spec-off
+demo eagle 120 --speculative-config "$EAGLE" --compare spec-off
 demo medusa 90 --speculative-config "$MEDUSA"
-big 8b-eagle 200 --compare spec-off
+big 8b-eagle 170 --compare spec-off
