@@ -316,7 +316,7 @@ class SpecDecodeRunner:
                         f"proposer {self.proposer.name!r}: propose_on_device() must return [{n}, {k}] draft ids "
                         f"(one row of k per request), got {tuple(device_drafts.shape)}"
                     )
-                host = torch.cat([ids, device_drafts.reshape(-1)]).tolist()
+                host = torch.cat([ids.long(), device_drafts.reshape(-1).long()]).tolist()
                 drafted = np.asarray(host[len(host) - n * k :], dtype=np.int64).reshape(n, k)
         verified = self.rejection_sampler.accept(host[: ids.shape[0]], sampled.logprobs, [list(d) for d in drafts])
         return verified, drafted
