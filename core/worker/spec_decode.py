@@ -345,7 +345,8 @@ class SpecDecodeRunner:
         """Drafts for the next step, for every request of this one (``[]`` for none), from
         the proposer, checked. ``ahead``: the next step is already launched (async
         scheduling), so drafts would come too late; the engine launched it only because the
-        proposer said nobody may draft (``Proposer.may_draft``)."""
+        proposer said nobody may draft (``Proposer.may_draft``). ``drafted``: the ``[n, k]``
+        drafts ``propose_on_device`` queued with this step's verification (no target pass then)."""
         n = len(states)
         if self.proposer is None:  # a stage before the last: rank 0 receives the last stage's
             return runner.pipeline.share_drafts(None, n, self.num_speculative_tokens)
