@@ -142,3 +142,27 @@ def test_spec_off_comparison_needs_a_speculative_config(llama_dir):
 def test_a_workload_longer_than_max_model_len_is_refused_before_running(llama_dir):
     with pytest.raises(SystemExit, match="exceed max_model_len=20"):
         main(["bench", "latency", "--model", str(llama_dir), *SMALL_REPEAT, "--max-model-len", "20"])
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_random_draft_head_measures_a_speculative_step_that_always_drafts_k(llama_dir, tmp_path, monkeypatch, method):
+    """``--random-draft-head``: a head of the target's shapes with random weights; with adaptive
+    drafting off every decode step after the first verifies k drafts (what a speculative step costs)."""
+    monkeypatch.setenv("PAGELM_CACHE_DIR", str(tmp_path / "cache"))
+    spec = json.dumps({"method": method, "num_speculative_tokens": 2, "adaptive": False})
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--model", str(llama_dir), "--batch-sizes", "1", "--input-len", "16",
+                 "--output-len", "8", "--warmup", "0", "--iters", "1", "--speculative-config", spec,
+                 "--random-draft-head", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    head = tmp_path / "cache" / "presets" / "random-heads" / f"{llama_dir.name}-{method}"
+    assert report["speculative_config"]["model"] == str(head) and (head / "model.safetensors").is_file()
+    (r,) = report["results"]
+    # k drafts every verification (one fewer at most where max_tokens leaves room for one).
+    assert r["spec"]["num_drafts"] >= 3 and r["spec"]["num_draft_tokens"] >= 2 * r["spec"]["num_drafts"] - 1
+
+
+def test_random_draft_head_needs_a_head_method_and_no_model(llama_dir):
+    for spec in (NGRAM, json.dumps({"method": "eagle", "num_speculative_tokens": 2, "model": "x"})):
+        with pytest.raises(SystemExit, match="random-draft-head"):
+            main(["bench", "latency", "--model", str(llama_dir), "--speculative-config", spec, "--random-draft-head"])

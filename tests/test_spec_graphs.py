@@ -19,7 +19,9 @@ from pagelm import LLM, SamplingParams
 from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
 from pagelm.plugins.spec_decode import eagle as eagle_proposer
 from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs
+from pagelm.plugins.spec_decode import medusa as medusa_proposer
 from pagelm.plugins.spec_decode.medusa import MedusaHeads
+from pagelm.plugins.spec_decode.medusa_graphs import MedusaDraftGraphs
 from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner
 from pagelm.worker.input_buffers import InputBuffers
 from pagelm.worker.step_state import CachedRequestState
@@ -160,6 +162,10 @@ def eager_graphs(monkeypatch):
     monkeypatch.setattr(eagle_proposer, "DRAFT_GRAPHS_ENABLED", True)
     monkeypatch.setattr(EagleDraftGraphs, "capture", capture_drafting)
     monkeypatch.setattr(EagleDraftGraphs, "replay", replay_drafting)
+    # Medusa's heads pass: captured is a no-op, a replay runs the recorded step eagerly.
+    monkeypatch.setattr(medusa_proposer, "DRAFT_GRAPHS_ENABLED", True)
+    monkeypatch.setattr(MedusaDraftGraphs, "capture", lambda self, pool=None: None)
+    monkeypatch.setattr(MedusaDraftGraphs, "replay", replay_medusa)
 
 
 def capture_drafting(self, pool=None):
@@ -169,6 +175,11 @@ def capture_drafting(self, pool=None):
 def replay_drafting(self, size):
     self.num_replays += 1
     return self._step(size, *self._captured[size])
+
+
+def replay_medusa(self, size):
+    self.num_replays += 1
+    return self._step(size)
 
 
 PROMPTS = [
@@ -234,7 +245,7 @@ def test_eagle_drafting_graphs_draft_what_the_eager_passes_draft(make_model, tmp
     model = make_model("spec_llama", "llama")
     train_eagle_head(model, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
     config = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
-    proposals = {}
+    proposals, drafted_on_device = {}, {}
     for graphs in (True, False):
         llm = LLM(str(model), dtype="float32", block_size=8, attention_backend="triton", max_num_seqs=8,
                   max_num_batched_tokens=32, speculative_config=config)
@@ -243,14 +254,16 @@ def test_eagle_drafting_graphs_draft_what_the_eager_passes_draft(make_model, tmp
             runner.capture_cuda_graphs()
         proposer = runner.spec.proposer
         seen = proposals[graphs] = []
-        propose = proposer.propose
+        on_device = drafted_on_device[graphs] = []
+        propose_step = proposer.propose_step
 
-        def recording_propose(batch, propose=propose, seen=seen):
-            drafts = propose(batch)
+        def recording_propose_step(step, propose_step=propose_step, seen=seen, on_device=on_device):
+            drafts = propose_step(step)
             seen.append(drafts)
+            on_device.append(step.drafted is not None)
             return drafts
 
-        proposer.propose = recording_propose
+        proposer.propose_step = recording_propose_step
         tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
         assert tokens == _plain_tokens(model)
         if graphs:
@@ -263,23 +276,70 @@ def test_eagle_drafting_graphs_draft_what_the_eager_passes_draft(make_model, tmp
         gc.collect()
     assert proposals[True] == proposals[False]
     assert sum(len(d) for step in proposals[True] for d in step) > 0
+    # After verification graph steps the drafts were queued with the verification (one host
+    # sync), after the others drafted once the tokens were on the host.
+    assert any(drafted_on_device[True]) and not all(drafted_on_device[True]) and not any(drafted_on_device[False])
     # Some proposals capped a request below k (near max_tokens): the graph's rows past a
     # request's cap are cut, as the eager passes never compute them.
     assert any(0 < len(d) < 3 for step in proposals[True] for d in step)
+
+
+def _medusa_heads_dir(path, hidden_size=64):
+    heads = MedusaHeads(hidden_size, 3, 1)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        heads.weight.normal_(std=0.1)
+    path.mkdir()
+    save_file(heads.checkpoint_weights(), str(path / "model.safetensors"))
+    (path / "config.json").write_text('{"medusa_num_heads": 3, "medusa_num_layers": 1}')
+    return path
 
 
 def test_medusa_drafts_the_same_from_a_verification_graph_step(make_model, tmp_path, triton_on_cpu, eager_graphs):
     """Medusa reads each request's last verified hidden state: from a graph's padded rows the
     same one as from the eager step."""
     model = make_model("spec_llama", "llama")
-    heads = MedusaHeads(64, 3, 1)
-    with torch.no_grad():
-        torch.manual_seed(0)
-        heads.weight.normal_(std=0.1)
-    (tmp_path / "heads").mkdir()
-    save_file(heads.checkpoint_weights(), str(tmp_path / "heads" / "model.safetensors"))
-    (tmp_path / "heads" / "config.json").write_text('{"medusa_num_heads": 3, "medusa_num_layers": 1}')
-    _drafts_the_same_with_and_without_graphs(model, {"method": "medusa", "num_speculative_tokens": 3, "model": str(tmp_path / "heads")})
+    heads = _medusa_heads_dir(tmp_path / "heads")
+    _drafts_the_same_with_and_without_graphs(model, {"method": "medusa", "num_speculative_tokens": 3, "model": str(heads)})
+
+
+def test_medusa_drafting_graphs_draft_what_the_eager_pass_drafts(make_model, tmp_path, triton_on_cpu, eager_graphs):
+    """The heads' graphs (padded batches, all k heads on every row, cut on the host) give
+    every proposal exactly the drafts of the eager pass, and the tokens are those of
+    decoding without speculation."""
+    model = make_model("spec_llama", "llama")
+    config = {"method": "medusa", "num_speculative_tokens": 3, "model": str(_medusa_heads_dir(tmp_path / "heads"))}
+    proposals, drafted_on_device = {}, {}
+    for graphs in (True, False):
+        llm = LLM(str(model), dtype="float32", block_size=8, attention_backend="triton", max_num_seqs=8,
+                  max_num_batched_tokens=32, speculative_config=config)
+        runner = llm.engine.core.runner
+        if graphs:
+            runner.capture_cuda_graphs()
+        proposer = runner.spec.proposer
+        seen = proposals[graphs] = []
+        on_device = drafted_on_device[graphs] = []
+        propose_step = proposer.propose_step
+
+        def recording_propose_step(step, propose_step=propose_step, seen=seen, on_device=on_device):
+            drafts = propose_step(step)
+            seen.append(drafts)
+            on_device.append(step.drafted is not None)
+            return drafts
+
+        proposer.propose_step = recording_propose_step
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        assert tokens == _plain_tokens(model)
+        if graphs:
+            assert proposer.graphs.sizes == [1, 2, 4, 8] and proposer.graphs.num_replays > 0
+        else:
+            assert proposer.graphs is None
+        del llm, runner, proposer
+        gc.collect()
+    assert proposals[True] == proposals[False]
+    assert sum(len(d) for step in proposals[True] for d in step) > 0
+    assert any(drafted_on_device[True]) and not any(drafted_on_device[False])
+    assert any(0 < len(d) < 3 for step in proposals[True] for d in step)  # capped below k: cut on the host
 
 
 def _drafts_the_same_with_and_without_graphs(model, config):
@@ -362,5 +422,41 @@ def test_eagle_greedy_tokens_are_identical_with_drafting_graphs_eagerly_and_with
         torch.cuda.empty_cache()
     assert replays["eager"] is None and min(replays["graphs"]) > 0
     assert accepted["eager"] > 0 and accepted["graphs"] > 0
+    assert outs["eager"] == outs["plain"]
+    assert outs["graphs"] == outs["plain"]
+
+
+@pytest.mark.gpu
+def test_medusa_greedy_tokens_are_identical_with_drafting_graphs_eagerly_and_without_speculation(make_model, tmp_path, monkeypatch):
+    """float32 on CUDA: no speculation, Medusa with its heads' pass eager (``enforce_eager``),
+    and Medusa with real graphs (decode, verification, and the heads' pass; under async
+    scheduling) give the same greedy tokens."""
+    from pagelm.plugins.spec_decode.medusa_train import MedusaTrainConfig, train_medusa_heads
+
+    monkeypatch.setattr(medusa_proposer, "DRAFT_GRAPHS_ENABLED", True)
+    model_dir = make_model("fast_qwen3", "qwen3", **GPU_SHAPE)
+    # Trained briefly, so that some drafts are accepted and verification graphs replay.
+    train_medusa_heads(model_dir, tmp_path / "heads", MedusaTrainConfig(steps=60, num_prompts=32, gen_len=48),
+                       log=lambda *_: None)
+    spec = {"method": "medusa", "num_speculative_tokens": 3, "model": str(tmp_path / "heads"), "adaptive": False}
+    prompts = [{"prompt_token_ids": ([7 + i, 8 + i, 9 + i, 10 + i] * 30)[: 40 + 17 * i]} for i in range(5)]
+    gen = torch.Generator().manual_seed(0)
+    prompts += [{"prompt_token_ids": torch.randint(5, 500, (30 + 20 * i,), generator=gen).tolist()} for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=30 + 9 * i, ignore_eos=True) for i in range(10)]
+    outs, replays, drafted = {}, {}, {}
+    for name, config, eager in (("plain", None, None), ("eager", spec, True), ("graphs", spec, None)):
+        llm = LLM(str(model_dir), device="cuda", dtype="float32", attention_backend="triton", enforce_eager=eager,
+                  gpu_memory_utilization=0.3, max_num_seqs=16, speculative_config=config)
+        core, proposer = llm.engine.core, None
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if config is not None:
+            proposer = core.runner.spec.proposer
+            replays[name] = None if proposer.graphs is None else proposer.graphs.num_replays
+            drafted[name] = core.scheduler.spec_decoding_stats.num_draft_tokens
+        del llm, core, proposer
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert replays["eager"] is None and replays["graphs"] > 0
+    assert drafted["eager"] > 0 and drafted["graphs"] > 0
     assert outs["eager"] == outs["plain"]
     assert outs["graphs"] == outs["plain"]

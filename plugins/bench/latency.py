@@ -87,6 +87,12 @@ def add_parser(sub) -> None:
         "overhead of speculation when nothing is accepted",
     )
     p.add_argument(
+        "--random-draft-head", action="store_true",
+        help="give the --speculative-config method (eagle or medusa) a head of the model's shapes with random "
+        "weights (written once, beside the presets); with \"adaptive\": false every step drafts k and accepts "
+        "~none: what a speculative step costs",
+    )
+    p.add_argument(
         "--hf-output-len", type=int,
         help="output tokens per HF request (default: --output-len); per-token figures stay comparable",
     )
@@ -291,6 +297,8 @@ def run(args: argparse.Namespace) -> int:
     if args.output_len < 2 or args.input_len < 1 or args.iters < 1:
         raise SystemExit("--output-len must be >= 2 (TPOT needs two tokens), --input-len and --iters >= 1")
     model_dir, kwargs = resolve_bench_model(args.model, engine_kwargs(args))
+    if args.random_draft_head:
+        kwargs["speculative_config"] = with_random_draft_head(model_dir, kwargs.get("speculative_config"))
     config = EngineConfig.from_kwargs(model_dir, **kwargs)
     if (args.compare == "spec-off" or args.spec_reject_all) and config.speculative is None:
         raise SystemExit("--compare spec-off and --spec-reject-all measure speculative decoding: "
@@ -349,6 +357,23 @@ def run(args: argparse.Namespace) -> int:
             "results": [{**asdict(r), "hf_ratio": r.hf_ratio, "speedup": r.speedup} for r in results],
         }, indent=2))
     return 0
+
+
+def with_random_draft_head(model_dir: str, spec: dict | None) -> dict:
+    """``--random-draft-head``: the speculative config with ``model`` set to a random head of
+    ``model_dir``'s shapes (``pagelm.plugins.spec_decode.random_heads``)."""
+    from pagelm.plugins.bench.presets import default_presets_dir
+    from pagelm.plugins.spec_decode.random_heads import METHODS, random_draft_head
+
+    method = (spec or {}).get("method")
+    if method not in METHODS:
+        raise SystemExit(f"--random-draft-head needs --speculative-config with method {' or '.join(METHODS)}, got {method!r}")
+    if spec.get("model"):
+        raise SystemExit("--random-draft-head makes the head: leave 'model' out of --speculative-config")
+    k = int(spec.get("num_speculative_tokens", 1))
+    out = default_presets_dir() / "random-heads" / f"{Path(model_dir).name}-{method}"
+    print(f"random {method} head of {Path(model_dir).name}'s shapes: {out}", flush=True)
+    return {**spec, "model": str(random_draft_head(model_dir, method, out, num_heads=max(k, 1)))}
 
 
 def reject_all_drafts(llm, vocab_size: int) -> None:

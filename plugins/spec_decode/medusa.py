@@ -16,7 +16,10 @@ sampler verifies exactly, for greedy and sampled requests alike. The heads keep 
 between steps and have no KV cache, so the engine may run steps ahead (async scheduling)
 whenever adaptive drafting has every request backed off, as with n-gram. All drafting
 requests go through the heads in one batched pass per step (a few matmuls over ``[n, k,
-hidden]``), then one copy of the ``[n, k]`` drafts to the host.
+hidden]``), then one copy of the ``[n, k]`` drafts to the host. With CUDA graphs that pass
+and the argmax replay as one graph per padded batch of up to ``MAX_DRAFT_GRAPH_BATCH``
+drafting requests (``medusa_graphs``), unless ``PAGELM_MEDUSA_DRAFT_GRAPHS=0``; on the CPU,
+with ``enforce_eager`` and for larger batches they run eagerly.
 
 The heads directory follows Medusa-1's checkpoint layout, in safetensors: ``config.json``
 with ``medusa_num_heads`` and ``medusa_num_layers``, and per head ``i`` residual blocks
@@ -28,6 +31,7 @@ their LM heads use the target's (``compute_logits``).
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -39,8 +43,16 @@ from torch import nn
 from pagelm import hookimpl
 from pagelm.models.pipeline import MissingLayer
 from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
+from pagelm.plugins.spec_decode.medusa_graphs import MedusaDraftGraphs
+from pagelm.spec_decode import DraftGraphSetup, VerifyingStep
 
-PAGELM_PLUGIN_API = "2.17"
+PAGELM_PLUGIN_API = "2.18"
+
+# Drafting is captured for up to this many drafting requests (EAGLE's limit, and the
+# verification graphs').
+MAX_DRAFT_GRAPH_BATCH = 32
+# The heads' pass is captured in CUDA graphs unless ``PAGELM_MEDUSA_DRAFT_GRAPHS=0``.
+DRAFT_GRAPHS_ENABLED = os.environ.get("PAGELM_MEDUSA_DRAFT_GRAPHS", "1").lower() in ("1", "true", "on", "yes")
 
 _WEIGHT = re.compile(r"(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)")
 
@@ -128,6 +140,7 @@ class MedusaProposer(DraftProposer):
         super().__init__(config, target, device, dtype)
         self.target = target
         self.heads = load_medusa_heads(Path(self.speculative.model).expanduser(), target, device, dtype)
+        self.graphs: MedusaDraftGraphs | None = None  # captured on CUDA (capture_cuda_graphs)
 
     @classmethod
     def validate(cls, config) -> list[str]:
@@ -148,6 +161,34 @@ class MedusaProposer(DraftProposer):
                             f"{heads} Medusa heads in {spec.model!r} (one draft per head)")
         return problems
 
+    def capture_cuda_graphs(self, setup: DraftGraphSetup) -> None:
+        """Graphs of the heads' pass (``MedusaDraftGraphs``) for up to ``MAX_DRAFT_GRAPH_BATCH``
+        drafting requests; larger batches draft eagerly."""
+        sizes = [s for s in setup.sizes if s <= MAX_DRAFT_GRAPH_BATCH]
+        if not sizes or not DRAFT_GRAPHS_ENABLED:
+            return
+        self.graphs = MedusaDraftGraphs(
+            self.heads, self.target.compute_logits, sizes, self.num_speculative_tokens, setup.device, self.dtype
+        )
+        self.graphs.capture(setup.pool)
+
+    def release_cuda_graphs(self) -> None:
+        self.graphs = None
+
+    def propose_on_device(self, step: VerifyingStep) -> torch.Tensor | None:
+        """The heads' graph queued behind the verification, over every request's last
+        verified hidden state (its row given plus the accepted count, on the device): ``k``
+        drafts each, which the engine cuts to each request's cap. None: no graph for this
+        batch."""
+        size = None if self.graphs is None else self.graphs.padded_size(step.num_reqs)
+        if size is None:
+            return None
+        target = step.target
+        hidden = target.hidden_states
+        index = torch.from_numpy(target.last_token_index).to(hidden.device, non_blocking=True) + step.num_accepted
+        self.graphs.load(hidden, index)
+        return self.graphs.replay(size)[: step.num_reqs]
+
     def propose(self, batch: ProposalBatch) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in range(batch.num_reqs)]
         want = np.flatnonzero(batch.max_num_drafts > 0)
@@ -155,9 +196,15 @@ class MedusaProposer(DraftProposer):
             return drafts
         caps = batch.max_num_drafts[want]
         hidden = batch.hidden_states
-        index = torch.from_numpy(batch.last_token_index[want]).to(hidden.device)
-        states = self.heads(hidden[index], int(caps.max()))
-        tokens = self.heads.logits(states, self.target.compute_logits).argmax(dim=-1)
+        # No stream sync: a blocking copy from pageable memory would drain the GPU first.
+        index = torch.from_numpy(batch.last_token_index[want]).to(hidden.device, non_blocking=True)
+        size = None if self.graphs is None else self.graphs.padded_size(len(want))
+        if size is not None:
+            self.graphs.load(hidden, index)
+            tokens = self.graphs.replay(size)[: len(want)]
+        else:
+            states = self.heads(hidden[index], int(caps.max()))
+            tokens = self.heads.logits(states, self.target.compute_logits).argmax(dim=-1)
         for i, row, cap in zip(want.tolist(), tokens.tolist(), caps.tolist()):
             drafts[i] = row[:cap]
         return drafts
