@@ -95,26 +95,3 @@ def test_requests_without_drafts_get_one_token():
     logits = TARGET_LOGITS[:2]
     out = RejectionSampler()(logits, metadata(2, temperature=0.0), [[], []])
     assert out.token_ids == [[0], [3]] and out.num_accepted == [0, 0]
-
-
-def test_acceptance_worked_out_on_the_device_is_what_the_host_accepts():
-    """``accepted_on_device`` (what a proposer drafting behind verification reads) against
-    ``accept`` on the host, over requests with 0..k drafts that match for a while, then not."""
-    gen = torch.Generator().manual_seed(0)
-    k, sampler = 3, RejectionSampler()
-    for trial in range(20):
-        drafts, sampled = [], []
-        for i in range(int(torch.randint(1, 6, (1,), generator=gen))):
-            d = int(torch.randint(0, k + 1, (1,), generator=gen))
-            rows = torch.randint(0, 4, (d + 1,), generator=gen).tolist()  # 4 ids: frequent matches
-            drafts.append([rows[j] if torch.rand(1, generator=gen) < 0.7 else 9 for j in range(d)])
-            sampled += rows
-        n = len(drafts)
-        row_start = [sum(len(x) + 1 for x in drafts[:i]) for i in range(n)]
-        layout = [row_start[i] + min(j, len(d)) for i, d in enumerate(drafts) for j in range(k)]
-        layout += [d[j] if j < len(d) else -1 for d in drafts for j in range(k)]
-        layout += row_start
-        accepted, next_tokens = sampler.accepted_on_device(torch.tensor(sampled), torch.tensor(layout), n, k)
-        host = sampler.accept(sampled, None, drafts)
-        assert accepted.tolist() == host.num_accepted
-        assert next_tokens.tolist() == [run[-1] for run in host.token_ids]

@@ -85,29 +85,7 @@ class RejectionSampler:
 
     def _verify_deterministic(self, logits, md, draft_token_ids, generator) -> RejectionSamplerOutput:
         out = self.sampler(logits, md, generator)
-        return self.accept(out.sampled_token_ids.tolist(), out.logprobs, draft_token_ids)  # the one host sync
-
-    def sample_deterministic(self, logits, md: SamplingMetadata, generator=None):
-        """The device half of verifying deterministic drafts (``draft_probs`` None): every
-        row's token drawn as plain sampling would (``SamplerOutput``, queued, no host sync).
-        ``accept`` on its ids on the host, or ``accepted_on_device``, finishes it."""
-        return self.sampler(logits, md, generator)
-
-    @staticmethod
-    def accepted_on_device(sampled: torch.Tensor, layout: torch.Tensor, num_reqs: int, k: int):
-        """``(accepted [n], next token [n])`` on the device from ``sample_deterministic``'s ids:
-        what ``accept`` finds on the host. ``layout`` (int64, on the device): ``[n, k]`` the row
-        each draft is checked against (its request's first row + j, any row past its drafts),
-        ``[n, k]`` the draft ids (-1 past a request's drafts), ``[n]`` each request's first row."""
-        rows, drafts, first = layout[: num_reqs * k], layout[num_reqs * k : 2 * num_reqs * k], layout[2 * num_reqs * k :]
-        match = (sampled[rows] == drafts).view(num_reqs, k)
-        accepted = match.long().cumprod(dim=1).sum(dim=1)
-        return accepted, sampled[first + accepted]
-
-    @staticmethod
-    def accept(sampled: list[int], logprobs, draft_token_ids: list[list[int]]) -> RejectionSamplerOutput:
-        """The host half: each request's drafts accepted up to the first that differs from its
-        row's sampled token, then that row's token (correction or bonus)."""
+        sampled = out.sampled_token_ids.tolist()  # the one host sync
         tokens, accepted, row = [], [], 0
         for drafts in draft_token_ids:
             a = 0
@@ -116,7 +94,7 @@ class RejectionSampler:
             tokens.append(sampled[row : row + a + 1])
             accepted.append(a)
             row += len(drafts) + 1
-        return RejectionSamplerOutput(tokens, accepted, logprobs)
+        return RejectionSamplerOutput(tokens, accepted, out.logprobs)
 
     def _verify_probabilistic(self, logits, md, draft_token_ids, draft_probs, generator) -> RejectionSamplerOutput:
         draft_rows, bonus_rows = draft_row_layout(draft_token_ids)

@@ -113,37 +113,6 @@ class FinishedStep:
     # ``needs_ahead_target``. It launched it only because ``may_draft`` said nobody may draft.
     ahead: bool
     target: TargetPass | None
-    # [n, k] what ``propose_on_device`` drafted for this step before its tokens reached the
-    # host (None: it did not): each request's row, to be cut to what it may draft.
-    drafted: np.ndarray | None = None
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.requests)
-
-
-@dataclass(kw_only=True)
-class VerifyingStep:
-    """A verification step launched on the device and not finished: which drafts are accepted
-    is known on the device only (``num_accepted``, ``next_token_ids``). What
-    ``Proposer.propose_on_device`` drafts from, so that the drafting is queued behind the
-    verification and the step has one host sync (tokens and drafts come back together).
-    Every request of the step is a decode of its last known token and ``num_drafts[i]``
-    drafts (a verification graph step, ``1 + k`` query tokens per request, padding in front)::
-
-        target rows    | r0: -  x  d1 d2 | r1: x  d1 d2 d3 |        (q = 4)
-        target.last_token_index  ^ (every draft rejected)    + num_accepted[i] on the device
-    """
-
-    requests: Sequence[RequestView]
-    rows: np.ndarray  # [n] block-table rows
-    num_drafts: np.ndarray  # [n] drafts this step verifies
-    # The step's pass; ``last_token_index`` and ``last_token_position`` as if every draft were
-    # rejected (the request's last known token), ``next_token_ids`` unknown on the host (zeros).
-    target: TargetPass
-    num_accepted: torch.Tensor  # [n] int64, on the device: drafts accepted
-    next_token_ids: torch.Tensor  # [n] int64, on the device: the token the target drew after them
-    max_model_len: int
 
     @property
     def num_reqs(self) -> int:
@@ -270,17 +239,6 @@ class Proposer(ABC):
         (``[]``: no drafts; all ``[]`` when ``step.ahead``). Called once per step, after
         verification: every step, unless ``needs_every_step`` is False (then steps the engine
         runs ahead are handed over with ``ahead`` set, after the fact)."""
-
-    def propose_on_device(self, step: VerifyingStep) -> torch.Tensor | None:
-        """Queue the drafting for the step after ``step`` on the device, behind its
-        verification, before the host knows which drafts it accepts: ``[n, k]`` draft ids
-        on the device (row ``i``: request ``i``'s ``k`` drafts, which the engine copies to the
-        host with the verified tokens and hands to ``propose_step`` as
-        ``FinishedStep.drafted``; ``propose_step`` then cuts each row to what the request
-        may draft, with no drafting of its own), or None (not here: ``propose_step`` drafts
-        after the host sync, as for any other step). Called on verification graph steps
-        only (CUDA graphs, one pipeline stage, no guided request). Default: None."""
-        return None
 
     def capture_cuda_graphs(self, setup: DraftGraphSetup) -> None:
         """Capture CUDA graphs of the proposer's device work, to replay in ``propose_step``

@@ -24,25 +24,12 @@ drafts at all is plain decode (the one-token graphs). The proposer runs after ve
 passes): it gets the step as a ``FinishedStep``
 (``pagelm.spec_decode.proposer``) and says which requests draft how many tokens; the engine
 checks what it returns.
-
-Host syncs of a verification graph step. A proposer that drafts on the device
-(``Proposer.propose_on_device``: EAGLE, Medusa) has its drafting queued behind the
-verification, so the step waits for the device once::
-
-    replay verify graph -> sample rows -> accepted counts, next tokens (device)
-        -> proposer's graph (reads them) -> one copy: sampled ids + drafts [n, k] -> host
-        -> accept on the host (same rule) -> propose_step(FinishedStep(drafted=...)): cut, bookkeeping
-
-Otherwise (n-gram, an eager step, a guided request, ``PAGELM_SPEC_ONE_SYNC=0``) the sampled
-ids come to the host first and the proposer drafts after (a second sync for device drafts).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,7 +37,6 @@ import torch
 
 from pagelm.attention import CommonAttentionMetadata, GraphSupport
 from pagelm.kv_cache import cdiv
-from pagelm.registry import PluginError
 from pagelm.sample import RejectionSampler
 from pagelm.sample.sampler import LogprobsTensors
 from pagelm.sampling_params import num_logprobs
@@ -59,7 +45,6 @@ from pagelm.spec_decode.proposer import (
     FinishedStep,
     Proposer,
     TargetPass,
-    VerifyingStep,
     checked_drafts,
     decode_attention_metadata,
 )
@@ -131,12 +116,6 @@ class SpecDecodeRunner:
         self.keeps_launched_steps = drafts_from_last_stage and proposer is not None
         self.rejection_sampler = RejectionSampler()
         self.graphs: CudaGraphRunner | None = None  # verification graphs (CUDA only)
-        # Whether the proposer may draft behind a verification graph (``propose_on_device``);
-        # ``PAGELM_SPEC_ONE_SYNC=0``: never (it drafts after the verified tokens reach the host).
-        self.drafts_on_device = (
-            proposer is not None and type(proposer).propose_on_device is not Proposer.propose_on_device
-            and os.environ.get("PAGELM_SPEC_ONE_SYNC", "1").lower() not in ("0", "false", "off", "no")
-        )
 
     # ---- verification graphs -------------------------------------------------------------
     def capture_cuda_graphs(self, runner, pool: tuple[int, int] | None) -> None:
@@ -242,15 +221,8 @@ class SpecDecodeRunner:
             # A guided request's 1 + d rows from row_start: what its grammar allows after each
             # prefix of its drafts. The rejection sampler then verifies against masked logits.
             runner.apply_grammar(logits, sched, req_ids, rows_of=row_start.tolist())
-        verified = drafted = None
-        if graph_out is not None and not sched.structured_output_request_ids and self.drafts_on_device:
-            # The next drafts queued behind the verification: one host sync for both.
-            verified, drafted = self._verify_and_propose(runner, step, hidden, md, logits, states, starts, counts, drafts)
         with host_sync_point():  # the verified tokens (and logprobs) come to the host
-            if verified is not None:  # there already: nothing left to wait for
-                token_ids, logprobs_t = verified.token_ids, verified.logprobs
-                prompt_logprobs = runner.prompt_logprobs(states, starts, counts, hidden, first_token_index(step, counts_np))
-            elif runner.pipeline is None:
+            if runner.pipeline is None:
                 verified = self.rejection_sampler(logits, md, [list(d) for d in drafts], runner.generator)
                 token_ids, logprobs_t = verified.token_ids, verified.logprobs
                 prompt_logprobs = runner.prompt_logprobs(states, starts, counts, hidden, first_token_index(step, counts_np))
@@ -270,56 +242,8 @@ class SpecDecodeRunner:
                 out_ids.append([])
         logprobs = [lp if tokens else None for lp, tokens in zip(logprobs, out_ids)]
         out = ModelRunnerOutput(req_ids, out_ids, logprobs, prompt_logprobs)
-        out.draft_token_ids = self.propose(runner, step, hidden, states, starts, counts, num_drafts, out_ids, drafted=drafted)
+        out.draft_token_ids = self.propose(runner, step, hidden, states, starts, counts, num_drafts, out_ids)
         return out
-
-    def _verify_and_propose(self, runner, step: VerifyGraphStep, hidden, md, logits, states, starts, counts, drafts):
-        """A verification graph step's tokens and the proposer's next drafts with one host
-        sync: the rows sampled, which drafts they accept worked out on the device, the
-        proposer's drafting queued behind that (``Proposer.propose_on_device``), then the
-        sampled ids and the drafts copied to the host together. Returns the verification
-        (``RejectionSamplerOutput``) and the drafts ``[n, k]`` on the host (None: the proposer
-        drafts after the sync, in ``propose``)."""
-        n, k = len(states), self.num_speculative_tokens
-        sampled = self.rejection_sampler.sample_deterministic(logits, md, runner.generator)
-        ids = sampled.sampled_token_ids
-        num_drafts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=n)
-        row_start = np.concatenate([[0], np.cumsum(num_drafts + 1)[:-1]]).astype(np.int64)
-        # [n, k] rows each draft is checked against, [n, k] the drafts (-1 past them), [n] first rows.
-        j = np.arange(k)
-        layout = np.full((2 * n * k + n,), -1, dtype=np.int64)
-        layout[: n * k] = (row_start[:, None] + np.minimum(j[None, :], num_drafts[:, None])).reshape(-1)
-        has_draft = j[None, :] < num_drafts[:, None]  # row-major: the drafts in request order
-        layout[n * k : 2 * n * k][has_draft.reshape(-1)] = np.fromiter(
-            itertools.chain.from_iterable(drafts), dtype=np.int64, count=int(num_drafts.sum())
-        )
-        layout[2 * n * k :] = row_start
-        layout_dev = torch.from_numpy(layout).to(runner.device, non_blocking=True)
-        num_accepted, next_tokens = self.rejection_sampler.accepted_on_device(ids, layout_dev, n, k)
-        starts_np, counts_np = np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
-        first = first_token_index(step, counts_np)
-        last_index = first + counts_np - 1 - num_drafts  # every draft rejected: the last known token
-        target = self._pass_of(runner, step, hidden, rows, last_index, starts_np + counts_np - 1 - num_drafts,
-                               np.zeros(n, dtype=np.int64))
-        device_drafts = self.proposer.propose_on_device(VerifyingStep(
-            requests=states, rows=rows, num_drafts=num_drafts, target=target, num_accepted=num_accepted,
-            next_token_ids=next_tokens, max_model_len=self.max_model_len,
-        ))
-        with host_sync_point():  # the step's one sync: the sampled ids, and the drafts after them
-            if device_drafts is None:
-                host = ids.tolist()
-                drafted = None
-            else:
-                if tuple(device_drafts.shape) != (n, k):
-                    raise PluginError(
-                        f"proposer {self.proposer.name!r}: propose_on_device() must return [{n}, {k}] draft ids "
-                        f"(one row of k per request), got {tuple(device_drafts.shape)}"
-                    )
-                host = torch.cat([ids.long(), device_drafts.reshape(-1).long()]).tolist()
-                drafted = np.asarray(host[len(host) - n * k :], dtype=np.int64).reshape(n, k)
-        verified = self.rejection_sampler.accept(host[: ids.shape[0]], sampled.logprobs, [list(d) for d in drafts])
-        return verified, drafted
 
     def _verify_pipelined(self, runner, logits, md, drafts, states, starts, counts, hidden, first):
         """Pipeline parallelism: the last stage (``logits`` not None) verifies; its tokens
@@ -340,13 +264,12 @@ class SpecDecodeRunner:
 
     # ---- proposal ------------------------------------------------------------------------
     def propose(
-        self, runner, step, hidden, states, starts, counts, num_drafts, out_ids, ahead: bool = False, drafted=None
+        self, runner, step, hidden, states, starts, counts, num_drafts, out_ids, ahead: bool = False
     ) -> list[list[int]]:
         """Drafts for the next step, for every request of this one (``[]`` for none), from
         the proposer, checked. ``ahead``: the next step is already launched (async
         scheduling), so drafts would come too late; the engine launched it only because the
-        proposer said nobody may draft (``Proposer.may_draft``). ``drafted``: the ``[n, k]``
-        drafts ``propose_on_device`` queued with this step's verification (no target pass then)."""
+        proposer said nobody may draft (``Proposer.may_draft``)."""
         n = len(states)
         if self.proposer is None:  # a stage before the last: rank 0 receives the last stage's
             return runner.pipeline.share_drafts(None, n, self.num_speculative_tokens)
@@ -366,12 +289,10 @@ class SpecDecodeRunner:
             max_model_len=self.max_model_len,
             ahead=ahead,
             target=None,
-            drafted=drafted,
         )
-        if drafted is None and (not ahead or self.proposer.needs_ahead_target):
+        if not ahead or self.proposer.needs_ahead_target:
             finished.target = self._target_pass(runner, step, hidden, finished, starts_np, counts_np, out_ids)
-        # The drafts come back to the host (EAGLE's, from the device): the proposal's one sync
-        # (none when they were drafted with the verification: ``drafted``).
+        # The drafts come back to the host (EAGLE's, from the device): the proposal's one sync.
         with host_sync_point():
             drafts = self.proposer.propose_step(finished)
         drafts = checked_drafts(self.proposer, drafts, n, runner.vocab_size)
@@ -433,14 +354,6 @@ class SpecDecodeRunner:
             (o[-1] if o else s.token_ids[c + cnt] for o, s, c, cnt in zip(out_ids, states, starts_np.tolist(), counts_np.tolist())),
             dtype=np.int64, count=n,
         )
-        return self._pass_of(runner, step, hidden, rows, last_index, starts_np + last_index - first, next_tokens, states, starts_np)
-
-    def _pass_of(
-        self, runner, step, hidden, rows, last_index, last_position, next_tokens, states=None, starts_np=None
-    ) -> TargetPass:
-        """A ``TargetPass`` of ``step`` (``states``/``starts_np``: for a plain decode graph step,
-        whose inputs are uploaded again)."""
-        n = len(rows)
         # The requests' block-table rows: the runner's, or those kept at launch.
         table, table_rows = runner.block_table_cpu, rows
         if isinstance(step, StepInputs) and step.block_table_rows is not None:
@@ -460,7 +373,7 @@ class SpecDecodeRunner:
             hidden_states=hidden,
             common=common,
             last_token_index=last_index,
-            last_token_position=last_position,
+            last_token_position=starts_np + last_index - first,
             next_token_ids=next_tokens,
             block_table_cpu=table,
             rows=table_rows,

@@ -15,8 +15,6 @@ at most that many::
                                           proposer must see every step (a draft model's KV:
                                           ``needs_every_step`` / ``needs_ahead_target``)
                          propose(batch)   ProposalBatch: the step, the caps, the token history
-                                          (skipped when the step comes with ``drafted``: the
-                                          rows ``propose_on_device`` queued with verification)
                          cut              each request's drafts cut to its max_num_drafts
 
 Adaptive drafting (``pagelm.plugins.spec_decode.backoff``) withholds drafts from requests
@@ -100,19 +98,16 @@ class DraftProposer(Proposer):
             max_drafts = np.zeros_like(max_drafts)
         if not max_drafts.any() and not (self.needs_every_step or self.needs_ahead_target):
             return [[] for _ in range(n)]
-        if step.drafted is not None:  # drafted with the verification (``propose_on_device``)
-            proposal = step.drafted.tolist()
-        else:
-            target = step.target
-            batch = ProposalBatch(
-                **{name: getattr(target, name) for name in _TARGET_FIELDS},
-                req_ids=[s.req_id for s in step.requests],
-                max_num_drafts=max_drafts,
-                token_ids=self.rows.history(step.requests, rows, step.num_tokens, step.max_model_len) if self.uses_token_ids else None,
-                num_tokens=step.num_tokens,
-                extra_args=[s.sampling_params.extra_args for s in step.requests],
-            )
-            proposal = self.propose(batch)
+        target = step.target
+        batch = ProposalBatch(
+            **{name: getattr(target, name) for name in _TARGET_FIELDS},
+            req_ids=[s.req_id for s in step.requests],
+            max_num_drafts=max_drafts,
+            token_ids=self.rows.history(step.requests, rows, step.num_tokens, step.max_model_len) if self.uses_token_ids else None,
+            num_tokens=step.num_tokens,
+            extra_args=[s.sampling_params.extra_args for s in step.requests],
+        )
+        proposal = self.propose(batch)
         drafts = _cut(proposal, max_drafts)
         if drafts is None:  # malformed: the engine rejects it with an error naming this proposer
             return proposal

@@ -17,10 +17,7 @@ their positions is what it attends to once they draft again. Drafts are the head
 one-hot proposal), which the rejection sampler verifies exactly, for greedy and sampled
 requests alike.
 
-After a verification graph step the whole proposal is queued behind the verification,
-before the host knows what it accepted (``propose_on_device``: the step graph below reads the
-accepted counts from the device), so the step has one host sync for its tokens and drafts.
-Otherwise pass 1 runs eagerly (its shape is the step's). With CUDA graphs, passes ``2..k`` replay one
+Pass 1 runs eagerly (its shape is the step's). With CUDA graphs, passes ``2..k`` replay one
 graph per padded batch of drafting requests (``eagle_graphs``: the chain of passes in one
 launch); on the CPU, with ``enforce_eager`` and for batches above ``MAX_DRAFT_GRAPH_BATCH``
 they run eagerly, one pass at a time over the requests still drafting. Either way the one
@@ -45,9 +42,9 @@ from pagelm.models.pipeline import MissingLayer
 from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs, replays_without_host_planning, uniform_query_len
-from pagelm.spec_decode import DraftGraphSetup, VerifyingStep
+from pagelm.spec_decode import DraftGraphSetup
 
-PAGELM_PLUGIN_API = "2.18"
+PAGELM_PLUGIN_API = "2.17"
 
 logger = logging.getLogger("pagelm")
 
@@ -127,30 +124,6 @@ class EagleProposer(DraftProposer):
 
     def release_cuda_graphs(self) -> None:
         self.graphs = self.step_graphs = None
-
-    def propose_on_device(self, step: VerifyingStep) -> torch.Tensor | None:
-        """The whole proposal from the step graph, queued behind the verification: pass 1
-        over the step's positions reads the last verified index and the token after it from
-        the device (``num_accepted``, ``next_token_ids``); every request drafts ``k`` (the
-        engine cuts each to its cap), so the head's KV is written up to ``p* + k - 1``, inside
-        the slots the scheduler reserved (``num_lookahead_slots``), as a capped request's
-        rows past its cap are when drafting eagerly. None: no step graph for this batch."""
-        target = step.target
-        graphs = self.step_graphs
-        if graphs is None or uniform_query_len(target) != graphs.query_len:
-            return None
-        size = graphs.padded_size(step.num_reqs)
-        if size is None:
-            return None
-        k = self.num_speculative_tokens
-        # The last verified position is at most the step's last (every draft accepted).
-        end = int((target.last_token_position + step.num_drafts).max()) + k
-        end = max(int(target.common.seq_lens_cpu[: step.num_reqs].max()), end)
-        table = target.block_table_cpu
-        block_rows = table[target.rows, : min(-(-end // target.block_size), table.shape[1])]
-        caps = np.full(step.num_reqs, k, dtype=np.int64)
-        graphs.load_step(target, caps, block_rows, size, accepted=(step.num_accepted, step.next_token_ids))
-        return graphs.replay(size)[: step.num_reqs]
 
     def propose(self, batch: ProposalBatch) -> list[list[int]]:
         size = self._step_graph_size(batch)

@@ -193,27 +193,16 @@ class EagleDraftGraphs:
         self.tokens[:n].copy_(tokens)
         self.hidden[:n].copy_(hidden)
 
-    def load_step(
-        self, target: TargetPass, max_drafts: np.ndarray, block_rows: np.ndarray, size: int,
-        accepted: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
+    def load_step(self, target: TargetPass, max_drafts: np.ndarray, block_rows: np.ndarray, size: int) -> None:
         """The whole proposal (``query_len``): stage the step's ``n`` requests padded to
         ``size`` (``max_drafts`` 0: pass 1 only) and copy its pass into the graph's buffers.
-        ``block_rows`` [n, cols] cover each request's ``seq_len`` and ``p* + k - 1``.
-        ``accepted`` (drafts accepted [n], the token after them [n], on the device): the
-        target's last verified index and position are those it gives plus the accepted
-        count (added on the device), and the next tokens those given."""
+        ``block_rows`` [n, cols] cover each request's ``seq_len`` and ``p* + k - 1``."""
         n = len(max_drafts)
         num_tokens = n * self.query_len
         self._stage({
             _LAST_POSITION: target.last_token_position, _MAX_DRAFTS: max_drafts,
             _LAST_INDEX: target.last_token_index, _NEXT_TOKEN: target.next_token_ids, _REAL: 1,
         }, block_rows, size)
-        if accepted is not None:
-            num_accepted, next_tokens = accepted
-            self._field(_LAST_POSITION, n).add_(num_accepted)
-            self._field(_LAST_INDEX, n).add_(num_accepted)
-            self._field(_NEXT_TOKEN, n).copy_(next_tokens)
         common = target.common
         self.step_input_ids[:num_tokens].copy_(target.input_ids)
         self.step_positions[:num_tokens].copy_(target.positions)

@@ -44,9 +44,9 @@ from pagelm import hookimpl
 from pagelm.models.pipeline import MissingLayer
 from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 from pagelm.plugins.spec_decode.medusa_graphs import MedusaDraftGraphs
-from pagelm.spec_decode import DraftGraphSetup, VerifyingStep
+from pagelm.spec_decode import DraftGraphSetup
 
-PAGELM_PLUGIN_API = "2.18"
+PAGELM_PLUGIN_API = "2.17"
 
 # Drafting is captured for up to this many drafting requests (EAGLE's limit, and the
 # verification graphs').
@@ -174,20 +174,6 @@ class MedusaProposer(DraftProposer):
 
     def release_cuda_graphs(self) -> None:
         self.graphs = None
-
-    def propose_on_device(self, step: VerifyingStep) -> torch.Tensor | None:
-        """The heads' graph queued behind the verification, over every request's last
-        verified hidden state (its row given plus the accepted count, on the device): ``k``
-        drafts each, which the engine cuts to each request's cap. None: no graph for this
-        batch."""
-        size = None if self.graphs is None else self.graphs.padded_size(step.num_reqs)
-        if size is None:
-            return None
-        target = step.target
-        hidden = target.hidden_states
-        index = torch.from_numpy(target.last_token_index).to(hidden.device, non_blocking=True) + step.num_accepted
-        self.graphs.load(hidden, index)
-        return self.graphs.replay(size)[: step.num_reqs]
 
     def propose(self, batch: ProposalBatch) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in range(batch.num_reqs)]
