@@ -245,6 +245,26 @@ def test_eagle_drafting_graphs_draft_what_the_eager_passes_draft(make_model, tmp
     model = make_model("spec_llama", "llama")
     train_eagle_head(model, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
     config = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
+    def graphs_state(proposer, graphs):
+        if graphs:
+            assert proposer.graphs.sizes == proposer.step_graphs.sizes == [1, 2, 4, 8]
+            assert proposer.step_graphs.query_len == 4
+            assert proposer.graphs.num_replays > 0 and proposer.step_graphs.num_replays > 0
+        else:
+            assert proposer.graphs is None and proposer.step_graphs is None
+
+    proposals = _proposals_with_and_without_graphs(model, config, graphs_state)
+    assert proposals[True] == proposals[False]
+    assert sum(len(d) for step in proposals[True] for d in step) > 0
+    # Some proposals capped a request below k (near max_tokens): the graph's rows past a
+    # request's cap are cut, as the eager passes never compute them.
+    assert any(0 < len(d) < 3 for step in proposals[True] for d in step)
+
+
+def _proposals_with_and_without_graphs(model, config, graphs_state):
+    """Every proposal (``propose``'s drafts, step by step) of a run with the drafting graphs
+    captured and of one without, keyed True / False. Both runs' tokens are those of decoding
+    without speculation; ``graphs_state(proposer, graphs)`` asserts what each run's graphs did."""
     proposals = {}
     for graphs in (True, False):
         llm = LLM(str(model), dtype="float32", block_size=8, attention_backend="triton", max_num_seqs=8,
@@ -264,19 +284,10 @@ def test_eagle_drafting_graphs_draft_what_the_eager_passes_draft(make_model, tmp
         proposer.propose = recording_propose
         tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
         assert tokens == _plain_tokens(model)
-        if graphs:
-            assert proposer.graphs.sizes == proposer.step_graphs.sizes == [1, 2, 4, 8]
-            assert proposer.step_graphs.query_len == 4
-            assert proposer.graphs.num_replays > 0 and proposer.step_graphs.num_replays > 0
-        else:
-            assert proposer.graphs is None and proposer.step_graphs is None
+        graphs_state(proposer, graphs)
         del llm, runner, proposer
         gc.collect()
-    assert proposals[True] == proposals[False]
-    assert sum(len(d) for step in proposals[True] for d in step) > 0
-    # Some proposals capped a request below k (near max_tokens): the graph's rows past a
-    # request's cap are cut, as the eager passes never compute them.
-    assert any(0 < len(d) < 3 for step in proposals[True] for d in step)
+    return proposals
 
 
 def _medusa_heads_dir(path, hidden_size=64):
@@ -304,31 +315,13 @@ def test_medusa_drafting_graphs_draft_what_the_eager_pass_drafts(make_model, tmp
     decoding without speculation."""
     model = make_model("spec_llama", "llama")
     config = {"method": "medusa", "num_speculative_tokens": 3, "model": str(_medusa_heads_dir(tmp_path / "heads"))}
-    proposals = {}
-    for graphs in (True, False):
-        llm = LLM(str(model), dtype="float32", block_size=8, attention_backend="triton", max_num_seqs=8,
-                  max_num_batched_tokens=32, speculative_config=config)
-        runner = llm.engine.core.runner
-        if graphs:
-            runner.capture_cuda_graphs()
-        proposer = runner.spec.proposer
-        seen = proposals[graphs] = []
-        propose = proposer.propose
-
-        def recording_propose(batch, propose=propose, seen=seen):
-            drafts = propose(batch)
-            seen.append(drafts)
-            return drafts
-
-        proposer.propose = recording_propose
-        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
-        assert tokens == _plain_tokens(model)
+    def graphs_state(proposer, graphs):
         if graphs:
             assert proposer.graphs.sizes == [1, 2, 4, 8] and proposer.graphs.num_replays > 0
         else:
             assert proposer.graphs is None
-        del llm, runner, proposer
-        gc.collect()
+
+    proposals = _proposals_with_and_without_graphs(model, config, graphs_state)
     assert proposals[True] == proposals[False]
     assert sum(len(d) for step in proposals[True] for d in step) > 0
     assert any(0 < len(d) < 3 for step in proposals[True] for d in step)  # capped below k: cut on the host
