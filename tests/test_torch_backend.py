@@ -10,6 +10,7 @@ import torch
 from pagelm.attention import AttentionSpec
 from pagelm.testing.conformance import paged_metadata
 from pagelm.backends.torch import TorchAttentionBackend
+from pagelm.backends.torch.backend import GatherBuffer
 
 
 def dense_reference(q, k, v, num_heads, num_kv_heads, window=None):
@@ -50,6 +51,8 @@ def run_paged(seqs, num_heads, num_kv_heads, head_dim, block_size, window=None, 
         )
     width = max(len(t) for t in tables)
     block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    # One builder for both steps, as the runner has: its gather buffer carries over.
+    builder = TorchAttentionBackend.make_metadata_builder(torch.device("cpu"))
 
     def step(ranges):
         qs, ks, vs = [], [], []
@@ -58,7 +61,7 @@ def run_paged(seqs, num_heads, num_kv_heads, head_dim, block_size, window=None, 
             qs.append(q[lo:hi]); ks.append(k[lo:hi]); vs.append(v[lo:hi])
         common = paged_metadata(block_table, ranges, block_size, torch.device("cpu"))
         qsl = common.query_start_loc_cpu.tolist()
-        md = TorchAttentionBackend.make_metadata_builder(torch.device("cpu")).build(common)
+        md = builder.build(common)
         out = impl.forward(
             torch.cat(qs).flatten(1), torch.cat(ks).flatten(1), torch.cat(vs).flatten(1), cache, md
         )
@@ -111,3 +114,33 @@ def test_random_mixed_batches(seed):
         rows.append([(cached, 1), (0, new), (cached, new)][kind])
     window = [None, 7][seed % 2]
     run_paged(rows, num_heads=6, num_kv_heads=2, head_dim=8, block_size=4, window=window, seed=seed)
+
+
+def test_gather_buffer_grows_and_is_reused():
+    buffer = GatherBuffer()
+    like = torch.zeros(1)
+    small = buffer.take((2, 3, 4), like)
+    assert small.shape == (2, 3, 4) and small.is_contiguous()
+    # A smaller or equal request is a view of the same memory; a larger one reallocates.
+    again = buffer.take((4, 5), like)
+    assert again.data_ptr() == small.data_ptr() and again.shape == (4, 5)
+    big = buffer.take((10, 10), like)
+    assert big.numel() == 100 and big.data_ptr() != small.data_ptr()
+    assert buffer.take((2, 3, 4), like).data_ptr() == big.data_ptr()
+    # Another dtype gets a buffer of its own dtype.
+    assert buffer.take((3,), torch.zeros(1, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_kv_cache_keeps_heads_outermost():
+    """A head's block is one contiguous [block_size, head_dim] tile: what the gather relies on
+    to hand attention each (request, head)'s keys as one matrix."""
+    assert TorchAttentionBackend.get_kv_cache_shape(10, 16, 2, 64) == (2, 2, 10, 16, 64)
+    cache = torch.zeros(TorchAttentionBackend.get_kv_cache_shape(3, 4, 2, 8))
+    spec = AttentionSpec(2, 2, 8, 1.0, None)
+    impl = TorchAttentionBackend.make_impl(spec)
+    common = paged_metadata(torch.tensor([[2]], dtype=torch.int32), [(0, 1)], 4, torch.device("cpu"))
+    k = torch.arange(16.0).view(1, 16)
+    impl.forward(torch.zeros(1, 16), k, -k, cache, TorchAttentionBackend.make_metadata_builder(torch.device("cpu")).build(common))
+    # Slot 8 = block 2, offset 0; head h's key is k[h * 8 : (h + 1) * 8].
+    assert torch.equal(cache[0, :, 2, 0], k.view(2, 8)) and torch.equal(cache[1, :, 2, 0], -k.view(2, 8))
+    assert cache.count_nonzero() == 30  # nothing else written (k[0] is 0 in both)

@@ -57,20 +57,22 @@ def run_both(seqs, num_heads, num_kv_heads, head_dim, block_size, *, dtype=torch
         for c, n in seqs
     ]
     spec = AttentionSpec(num_heads, num_kv_heads, head_dim, 1 / math.sqrt(head_dim), window)
-    shape = TorchAttentionBackend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-    assert TritonAttentionBackend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim) == shape
+    shapes = {
+        name: backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        for name, backend in (("triton", TritonAttentionBackend), ("torch", TorchAttentionBackend))
+    }
 
     builder = TritonAttentionBackend.make_metadata_builder(DEVICE)
     if min_tokens_per_split is not None:
         builder.min_tokens_per_split = min_tokens_per_split
     runs = {
         "triton": (
-            TritonAttentionBackend.make_impl(spec), builder, torch.zeros(shape, dtype=dtype, device=DEVICE)
+            TritonAttentionBackend.make_impl(spec), builder, torch.zeros(shapes["triton"], dtype=dtype, device=DEVICE)
         ),
         "torch": (
             TorchAttentionBackend.make_impl(spec),
             TorchAttentionBackend.make_metadata_builder(DEVICE),
-            torch.zeros(shape, dtype=dtype, device=DEVICE),
+            torch.zeros(shapes["torch"], dtype=dtype, device=DEVICE),
         ),
     }
 
@@ -90,8 +92,9 @@ def run_both(seqs, num_heads, num_kv_heads, head_dim, block_size, *, dtype=torch
         step([(0, c) for c, _ in seqs])
     outs, mds = step([(c, c + n) for c, n in seqs])
     # The store kernel wrote exactly what index_copy_ wrote (only the used slots are compared:
-    # unused ones are zero in both).
-    torch.testing.assert_close(runs["triton"][2], runs["torch"][2], atol=0, rtol=0)
+    # unused ones are zero in both). The torch cache keeps heads outermost.
+    torch_cache = runs["torch"][2].permute(0, 2, 3, 1, 4)  # -> [2, blocks, block_size, kv_heads, dim]
+    torch.testing.assert_close(runs["triton"][2], torch_cache, atol=0, rtol=0)
     return outs["triton"], outs["torch"], mds["triton"]
 
 

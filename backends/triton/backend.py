@@ -251,8 +251,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim):
-        # The torch backend's layout: each key is one contiguous head_dim row, which is what
-        # the kernels' gathers want.
+        # Each key one contiguous head_dim row (all heads of a token side by side), which is
+        # what the kernels' gathers want.
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
     @classmethod
