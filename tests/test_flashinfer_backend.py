@@ -403,7 +403,7 @@ def test_graph_replay_reads_the_plan_made_before_it(fake_fi):
 
     impl, ref_impl = FlashInferAttentionBackend.make_impl(spec), TorchAttentionBackend.make_impl(spec)
     cache = torch.randn(FlashInferAttentionBackend.get_kv_cache_shape(64, bs, 2, 64))
-    ref_cache = cache.transpose(0, 1).contiguous()  # the torch backend's [2, blocks, ...] layout
+    ref_cache = cache.permute(1, 3, 0, 2, 4).contiguous()  # the torch backend's [2, kv_heads, blocks, ...] layout
     for seq_lens in ([9, 22, 5], [30, 1, 17]):
         table, lens, common = _decode_step(3, bs, seq_lens, num_padded=4)
         slot_buffer.copy_(common.slot_mapping)
@@ -462,7 +462,7 @@ def test_cascade_graph_variant_replays_a_shared_prefix_batch(fake_fi):
 
     impl, ref_impl = FlashInferAttentionBackend.make_impl(spec), TorchAttentionBackend.make_impl(spec)
     cache = torch.randn(FlashInferAttentionBackend.get_kv_cache_shape(64, bs, 2, 64))
-    ref_cache = cache.transpose(0, 1).contiguous()
+    ref_cache = cache.permute(1, 3, 0, 2, 4).contiguous()
     for seq_lens in ([13, 10, 15], [9, 22, 12]):
         common = _shared_prefix_step(bs, seq_lens, num_padded=4)  # the builder finds the 2 shared blocks
         slot_buffer.copy_(common.slot_mapping)

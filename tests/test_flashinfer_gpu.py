@@ -111,9 +111,10 @@ def test_conformance_kit():
 
 
 def _cache_pair(num_blocks, block_size, num_kv_heads, head_dim):
-    """The same random KV in flashinfer's [blocks, 2, ...] and torch's [2, blocks, ...] layouts."""
+    """The same random KV in flashinfer's [blocks, 2, block_size, kv_heads, ...] and torch's
+    [2, kv_heads, blocks, block_size, ...] layouts."""
     fi_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, device="cuda").to(torch.bfloat16)
-    return fi_cache, fi_cache.transpose(0, 1).contiguous()
+    return fi_cache, fi_cache.permute(1, 3, 0, 2, 4).contiguous()
 
 
 def _decode_common(seq_lens, table, block_size, slot_buffer=None):
