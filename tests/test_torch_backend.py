@@ -144,3 +144,4 @@ def test_kv_cache_keeps_heads_outermost():
     # Slot 8 = block 2, offset 0; head h's key is k[h * 8 : (h + 1) * 8].
     assert torch.equal(cache[0, :, 2, 0], k.view(2, 8)) and torch.equal(cache[1, :, 2, 0], -k.view(2, 8))
     assert cache.count_nonzero() == 30  # nothing else written (k[0] is 0 in both)
+
