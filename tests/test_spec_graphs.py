@@ -261,6 +261,27 @@ def test_eagle_drafting_graphs_draft_what_the_eager_passes_draft(make_model, tmp
     assert any(0 < len(d) < 3 for step in proposals[True] for d in step)
 
 
+def test_eagle_drafting_graphs_with_a_draft_vocabulary_draft_what_the_eager_passes_draft(make_model, tmp_path, triton_on_cpu, eager_graphs):
+    """A head with a draft vocabulary (16 of the 512 ids): the graphs' argmax over its rows,
+    mapped back to target ids in-graph, drafts exactly what the eager passes draft, only ids
+    of the vocabulary, and the tokens are those of decoding without speculation."""
+    model = make_model("spec_llama", "llama")
+    train_eagle_head(model, tmp_path / "head", EagleTrainConfig(steps=0, num_prompts=16, gen_len=32, draft_vocab_size=16),
+                     log=lambda *_: None)
+    config = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
+    vocab = {}
+
+    def graphs_state(proposer, graphs):
+        vocab[graphs] = set(proposer.lm_head.vocab.tolist())
+        if graphs:
+            assert proposer.graphs.num_replays > 0 and proposer.step_graphs.num_replays > 0
+
+    proposals = _proposals_with_and_without_graphs(model, config, graphs_state)
+    assert proposals[True] == proposals[False]
+    drafted = {t for step in proposals[True] for d in step for t in d}
+    assert len(vocab[True]) == 16 and drafted and drafted <= vocab[True]
+
+
 def _proposals_with_and_without_graphs(model, config, graphs_state):
     """Every proposal (``propose``'s drafts, step by step) of a run with the drafting graphs
     captured and of one without, keyed True / False. Both runs' tokens are those of decoding
