@@ -25,6 +25,7 @@ import logging
 import torch
 from torch import nn
 
+from pagelm.distributed import all_reduce
 from pagelm.models import ops
 from pagelm.models.layers import ParallelLMHead, VocabParallelEmbedding
 
@@ -99,14 +100,17 @@ class DraftLMHead:
 
     def _matches_target(self, vocab: torch.Tensor) -> bool:
         """Whether the rows' logits are the target's ``compute_logits`` columns for ``vocab``,
-        on a probe large enough that a soft cap or a scale would show. The probe is the same
-        on every tensor-parallel rank (``compute_logits`` gathers over them)."""
+        on a probe large enough that a soft cap or a scale would show, on every
+        tensor-parallel rank (the probe is the same on each: ``compute_logits`` gathers)."""
         gen = torch.Generator().manual_seed(0)
         probe = torch.randn(2, self.weight.shape[1], generator=gen).to(self.weight)
         probe *= 100 / self.logits(probe).abs().max().clamp(min=1e-6)
         want = self.compute_logits(probe)[:, vocab]
         got = self.logits(probe)
-        return torch.allclose(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+        mismatch = not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+        # Every rank decides alike: one drafting over the whole vocabulary gathers logits
+        # from the others each pass.
+        return all_reduce(torch.tensor([float(mismatch)], device=self.weight.device)).item() == 0
 
 
 def _lm_head(target: nn.Module) -> ParallelLMHead | None:
