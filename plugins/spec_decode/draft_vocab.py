@@ -80,7 +80,7 @@ class DraftLMHead:
         tokens = self.logits(hidden).argmax(dim=-1)
         return tokens if self.vocab is None else self.vocab.index_select(0, tokens)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def _use_rows(self, target: nn.Module, vocab: torch.Tensor) -> None:
         """Gather the LM head's rows for ``vocab``, unless the target's ``compute_logits`` is
         not that LM head alone (then the whole vocabulary, with a warning)."""
@@ -97,6 +97,8 @@ class DraftLMHead:
             logger.warning("EAGLE: the target's compute_logits is not its LM head alone; the draft "
                            "vocabulary is not used (drafting over the whole vocabulary)")
             self.weight = self.vocab = None
+            return
+        logger.info("EAGLE: drafting over a draft vocabulary of %d of the target's %d ids", len(vocab), lm_head.vocab_size)
 
     def _matches_target(self, vocab: torch.Tensor) -> bool:
         """Whether the rows' logits are the target's ``compute_logits`` columns for ``vocab``,
