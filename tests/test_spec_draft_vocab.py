@@ -15,7 +15,9 @@ from safetensors.torch import load_file
 from pagelm import LLM, SamplingParams
 from pagelm.cli import main
 from pagelm.plugins.spec_decode.draft_vocab import DraftLMHead, check_draft_vocab
-from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, self_distillation_text, train_eagle_head
+from pagelm.plugins.spec_decode.eagle_train import (
+    EagleTrainConfig, most_frequent_tokens, self_distillation_text, train_eagle_head,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": list(range(20 + 9 * i, 36 + 9 * i))} for i in range(4)]
@@ -157,6 +159,14 @@ def test_train_eagle_saves_the_most_frequent_tokens_of_its_text_and_serving_load
     outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     plain = LLM(str(target), dtype="float32", block_size=8).generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_the_most_frequent_tokens_break_ties_by_the_lower_id_and_come_sorted():
+    text = torch.tensor([[9, 5, 5, 3, 3, 7, 1, 9], [3, 5, 8, 8, 2, 2, 0, 0]])
+    # counts: 5 and 3 three times; 9, 8, 2 and 0 twice; 7 and 1 once.
+    ids, coverage = most_frequent_tokens(text, 4, vocab_size=16)
+    assert ids.tolist() == [0, 2, 3, 5]
+    assert coverage == pytest.approx(10 / 16)
 
 
 def test_train_eagle_refuses_a_draft_vocabulary_larger_than_the_target_s(llama_dir, tmp_path):
