@@ -261,6 +261,27 @@ def test_eagle_drafting_graphs_draft_what_the_eager_passes_draft(make_model, tmp
     assert any(0 < len(d) < 3 for step in proposals[True] for d in step)
 
 
+def test_eagle_drafting_graphs_with_a_draft_vocabulary_draft_what_the_eager_passes_draft(make_model, tmp_path, triton_on_cpu, eager_graphs):
+    """A head with a draft vocabulary (16 of the 512 ids): the graphs' argmax over its rows,
+    mapped back to target ids in-graph, drafts exactly what the eager passes draft, only ids
+    of the vocabulary, and the tokens are those of decoding without speculation."""
+    model = make_model("spec_llama", "llama")
+    train_eagle_head(model, tmp_path / "head", EagleTrainConfig(steps=0, num_prompts=16, gen_len=32, draft_vocab_size=16),
+                     log=lambda *_: None)
+    config = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
+    vocab = {}
+
+    def graphs_state(proposer, graphs):
+        vocab[graphs] = set(proposer.lm_head.vocab.tolist())
+        if graphs:
+            assert proposer.graphs.num_replays > 0 and proposer.step_graphs.num_replays > 0
+
+    proposals = _proposals_with_and_without_graphs(model, config, graphs_state)
+    assert proposals[True] == proposals[False]
+    drafted = {t for step in proposals[True] for d in step for t in d}
+    assert len(vocab[True]) == 16 and drafted and drafted <= vocab[True]
+
+
 def _proposals_with_and_without_graphs(model, config, graphs_state):
     """Every proposal (``propose``'s drafts, step by step) of a run with the drafting graphs
     captured and of one without, keyed True / False. Both runs' tokens are those of decoding
@@ -375,16 +396,21 @@ def test_ngram_greedy_tokens_are_identical_with_and_without_cuda_graphs(make_mod
 
 
 @pytest.mark.gpu
-def test_eagle_greedy_tokens_are_identical_with_drafting_graphs_eagerly_and_without_speculation(make_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("draft_vocab_size", [None, 256], ids=["full-vocab", "draft-vocab"])
+def test_eagle_greedy_tokens_are_identical_with_drafting_graphs_eagerly_and_without_speculation(
+    make_model, tmp_path, monkeypatch, draft_vocab_size
+):
     """float32 on CUDA: no speculation, EAGLE with every pass eager (``enforce_eager``), and
     EAGLE with real graphs (decode, verification, and the head's drafting: whole proposals
-    and passes 2..k; under async scheduling) give the same greedy tokens."""
+    and passes 2..k; under async scheduling) give the same greedy tokens; also with a head
+    drafting over a draft vocabulary (half the ids: its argmax and id map in the graphs)."""
     monkeypatch.setattr(eagle_proposer, "DRAFT_GRAPHS_ENABLED", True)
     model_dir = make_model("fast_qwen3", "qwen3", **GPU_SHAPE)
     # A head trained briefly (an untrained one has nothing accepted, and adaptive drafting then
     # backs every request off, so no step has 1 + k tokens each and the step graphs never
     # replay): on the CPU this gives ~20 accepted drafts and ~80 uniform 1 + k steps.
-    train_eagle_head(model_dir, tmp_path / "head", EagleTrainConfig(steps=60, num_prompts=32, gen_len=48), log=lambda *_: None)
+    cfg = EagleTrainConfig(steps=60, num_prompts=32, gen_len=48, draft_vocab_size=draft_vocab_size)
+    train_eagle_head(model_dir, tmp_path / "head", cfg, log=lambda *_: None)
     eagle = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head"), "adaptive": False}
     prompts = [{"prompt_token_ids": ([7 + i, 8 + i, 9 + i, 10 + i] * 30)[: 40 + 17 * i]} for i in range(5)]
     gen = torch.Generator().manual_seed(0)
@@ -398,6 +424,7 @@ def test_eagle_greedy_tokens_are_identical_with_drafting_graphs_eagerly_and_with
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if spec is not None:
             proposer = core.runner.spec.proposer
+            assert proposer.lm_head.size == draft_vocab_size
             replays[name] = None if proposer.graphs is None else (proposer.graphs.num_replays, proposer.step_graphs.num_replays)
             accepted[name] = core.scheduler.spec_decoding_stats.num_accepted_tokens
             if name == "graphs":

@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from pagelm import LLM, GuidedDecodingParams, SamplingParams
@@ -55,6 +57,23 @@ def test_eagle_drafts_under_tp2_give_the_one_rank_tokens(llama_dir, tmp_path):
     assert _ids(two) == _ids(one) == _ids(one_eagle)
     assert _drafted(two) > 0
     # Rank 0's drafts are the one-rank head's: the same acceptance, request by request.
+    assert [o.metrics.spec_num_accepted_tokens for o in two] == [o.metrics.spec_num_accepted_tokens for o in one_eagle]
+
+
+def test_eagle_drafts_over_a_draft_vocabulary_under_tp2_as_on_one_rank(llama_dir, tmp_path):
+    # Each rank gathers the draft vocabulary's LM head rows from both ranks' halves at load
+    # (the embedding's lookup), then drafts over them alone, without a gather per pass. The
+    # vocabulary is the upper half of the ids, all of them held by rank 1: rank 0 drafts what
+    # one rank drafts only with rank 1's rows.
+    train_eagle_head(llama_dir, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
+    weights = load_file(str(tmp_path / "head" / "model.safetensors"))
+    save_file({**weights, "draft_vocab": torch.arange(256, 512)}, str(tmp_path / "head" / "model.safetensors"))
+    eagle = {"method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "head"), "adaptive": False}
+    one = _generate(llama_dir, REPEATING, GREEDY)
+    one_eagle = _generate(llama_dir, REPEATING, GREEDY, speculative_config=eagle)
+    two = _generate(llama_dir, REPEATING, GREEDY, tensor_parallel_size=2, speculative_config=eagle)
+    assert _ids(two) == _ids(one) == _ids(one_eagle)
+    assert _drafted(two) > 0 and sum(o.metrics.spec_num_accepted_tokens for o in two) > 0
     assert [o.metrics.spec_num_accepted_tokens for o in two] == [o.metrics.spec_num_accepted_tokens for o in one_eagle]
 
 

@@ -90,7 +90,8 @@ def add_parser(sub) -> None:
         "--random-draft-head", action="store_true",
         help="give the --speculative-config method (eagle or medusa) a head of the model's shapes with random "
         "weights (written once, beside the presets); with \"adaptive\": false every step drafts k and accepts "
-        "~none: what a speculative step costs",
+        "~none: what a speculative step costs. An eagle head drafts over a draft vocabulary of the first N ids with "
+        "\"draft_vocab_size\": N in --speculative-config",
     )
     p.add_argument(
         "--hf-output-len", type=int,
@@ -361,7 +362,8 @@ def run(args: argparse.Namespace) -> int:
 
 def with_random_draft_head(model_dir: str, spec: dict | None) -> dict:
     """``--random-draft-head``: the speculative config with ``model`` set to a random head of
-    ``model_dir``'s shapes (``pagelm.plugins.spec_decode.random_heads``)."""
+    ``model_dir``'s shapes (``pagelm.plugins.spec_decode.random_heads``); its
+    ``draft_vocab_size`` key, if any, goes into the head (a draft vocabulary of that many ids)."""
     from pagelm.plugins.bench.presets import default_presets_dir
     from pagelm.plugins.spec_decode.random_heads import METHODS, random_draft_head
 
@@ -371,9 +373,16 @@ def with_random_draft_head(model_dir: str, spec: dict | None) -> dict:
     if spec.get("model"):
         raise SystemExit("--random-draft-head makes the head: leave 'model' out of --speculative-config")
     k = int(spec.get("num_speculative_tokens", 1))
-    out = default_presets_dir() / "random-heads" / f"{Path(model_dir).name}-{method}"
-    print(f"random {method} head of {Path(model_dir).name}'s shapes: {out}", flush=True)
-    return {**spec, "model": str(random_draft_head(model_dir, method, out, num_heads=max(k, 1)))}
+    spec = dict(spec)
+    vocab = spec.pop("draft_vocab_size", None)
+    if vocab is not None and (method != "eagle" or not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1):
+        raise SystemExit(f"draft_vocab_size is an eagle head's, an integer >= 1; got {vocab!r} for {method}")
+    name = f"{Path(model_dir).name}-{method}" + ("" if vocab is None else f"-vocab{vocab}")
+    out = default_presets_dir() / "random-heads" / name
+    vocab_note = "" if vocab is None else f", draft vocabulary of {vocab} ids"
+    print(f"random {method} head of {Path(model_dir).name}'s shapes{vocab_note}: {out}", flush=True)
+    head = random_draft_head(model_dir, method, out, num_heads=max(k, 1), draft_vocab_size=vocab)
+    return {**spec, "model": str(head)}
 
 
 def reject_all_drafts(llm, vocab_size: int) -> None:

@@ -15,7 +15,8 @@ the target's. Pass 1 covers every request, also those that draft nothing this st
 (``max_num_drafts`` 0: a prefill chunk, or backed off by adaptive drafting): the head's KV at
 their positions is what it attends to once they draft again. Drafts are the head's argmax (a
 one-hot proposal), which the rejection sampler verifies exactly, for greedy and sampled
-requests alike.
+requests alike; over the head's draft vocabulary when its checkpoint has one (``draft_vocab``:
+only those rows of the target's LM head are read).
 
 Pass 1 runs eagerly (its shape is the step's). With CUDA graphs, passes ``2..k`` replay one
 graph per padded batch of drafting requests (``eagle_graphs``: the chain of passes in one
@@ -40,6 +41,7 @@ from pagelm.models.layers import VocabParallelEmbedding
 from pagelm.models.loader import checkpoint_tensor, default_dtype, iterate_weights
 from pagelm.models.pipeline import MissingLayer
 from pagelm.plugin_manager import get_plugin_manager
+from pagelm.plugins.spec_decode.draft_vocab import DRAFT_VOCAB_TENSOR, DraftLMHead, check_draft_vocab
 from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs, replays_without_host_planning, uniform_query_len
 from pagelm.spec_decode import DraftGraphSetup
@@ -72,9 +74,11 @@ class EagleProposer(DraftProposer):
     def __init__(self, config, target: nn.Module, device, dtype) -> None:
         super().__init__(config, target, device, dtype)
         self.target = target
-        self.head = load_eagle_head(
+        self.head, draft_vocab = load_eagle_head(
             Path(self.speculative.model).expanduser(), target, device, dtype, Path(config.model).expanduser()
         )
+        # The argmax of each drafting pass: over the head's draft vocabulary when it has one.
+        self.lm_head = DraftLMHead(target, draft_vocab, device)
         # Captured on CUDA (capture_cuda_graphs): passes 2..k, and every pass after a step of
         # 1 + k tokens per request.
         self.graphs: EagleDraftGraphs | None = None
@@ -91,6 +95,9 @@ class EagleProposer(DraftProposer):
             return [f"model={model!r} is not an EAGLE head directory (no config.json)"]
         if not list(path.glob("*.safetensors")) and not (path / "pytorch_model.bin").is_file():
             return [f"model={model!r} has no weights (*.safetensors or pytorch_model.bin)"]
+        if "draft_vocab_size" in config.speculative.options:
+            return ["eagle: a draft vocabulary comes with the head (`pagelm train-eagle --draft-vocab-size N`, "
+                    "or `pagelm bench latency --random-draft-head`), not with 'draft_vocab_size' in speculative_config"]
         return []
 
     @classmethod
@@ -114,7 +121,7 @@ class EagleProposer(DraftProposer):
             logger.info("EAGLE: the attention backend plans each graph replay on the host: drafting runs eagerly")
             return
         k = self.num_speculative_tokens
-        args = (self.head, self.target.compute_logits, setup, sizes, k, self.head.config.hidden_size, self.dtype)
+        args = (self.head, self.lm_head.argmax, setup, sizes, k, self.head.config.hidden_size, self.dtype)
         if k >= 2:
             self.graphs = EagleDraftGraphs(*args)
             self.graphs.capture(setup.pool)
@@ -144,7 +151,7 @@ class EagleProposer(DraftProposer):
             return drafts
         caps = batch.max_num_drafts[want]
         hidden = hidden[index[2 * n :]]
-        tokens = self.target.compute_logits(hidden).argmax(dim=-1)
+        tokens = self.lm_head.argmax(hidden)
         width = int(caps.max())
         size = None if self.graphs is None or width < 2 else self.graphs.padded_size(len(want))
         if size is not None:
@@ -201,7 +208,7 @@ class EagleProposer(DraftProposer):
             metadata = batch.decode_attention_metadata(want[active], positions)
             with forward_context(ForwardContext(attn_metadata=metadata)):
                 hidden = self.head(tokens, _to_device(positions, device), hidden)
-            tokens = self.target.compute_logits(hidden).argmax(dim=-1)
+            tokens = self.lm_head.argmax(hidden)
             out[_to_device(active, device), j] = tokens
         return out
 
@@ -214,15 +221,22 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def load_eagle_head(
     path: Path, target: nn.Module, device: torch.device, dtype: torch.dtype, target_path: Path | None = None
-) -> nn.Module:
+) -> tuple[nn.Module, torch.Tensor | None]:
     """Build the head ``Eagle<architecture>`` for ``path``'s config.json, load its weights and
     give it the target's embedding (unless it has its own). On a pipeline stage without
     the embedding (the last, where the head lives) it loads its own copy from the target's
-    checkpoint at ``target_path``."""
+    checkpoint at ``target_path``. Returns the head and its draft vocabulary (sorted target
+    ids; None: it drafts over the whole vocabulary; ``draft_vocab``)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)  # a head is one of pagelm's own architectures
     weights = dict(_iterate_weights(path))
+    draft_vocab = weights.pop(DRAFT_VOCAB_TENSOR, None)
+    if draft_vocab is not None:
+        draft_vocab = check_draft_vocab(draft_vocab, config.vocab_size, getattr(config, "draft_vocab_size", None))
+    elif getattr(config, "draft_vocab_size", None) is not None:
+        raise ValueError(f"EAGLE head {path}: config.json has draft_vocab_size but the weights have no "
+                         f"{DRAFT_VOCAB_TENSOR!r} tensor")
     names = {name.removeprefix("model.") for name in weights}
     config.eagle_fc_bias = "fc.bias" in names
     config.eagle_input_layernorm = "layers.0.input_layernorm.weight" in names
@@ -243,7 +257,7 @@ def load_eagle_head(
     )
     if missing:
         raise ValueError(f"EAGLE head {path}: weights missing: {missing[:8]}")
-    return head.eval()
+    return head.eval(), draft_vocab
 
 
 def _embedding_copy(target_path: Path | None, config, device: torch.device, dtype: torch.dtype) -> nn.Module:

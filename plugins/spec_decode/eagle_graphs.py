@@ -73,7 +73,7 @@ class EagleDraftGraphs:
     def __init__(
         self,
         head: nn.Module,
-        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        argmax: Callable[[torch.Tensor], torch.Tensor],
         setup: DraftGraphSetup,
         sizes: list[int],
         num_drafts: int,
@@ -83,7 +83,9 @@ class EagleDraftGraphs:
     ) -> None:
         assert num_drafts >= 2 or query_len is not None, "passes 2..k alone need k >= 2"
         self.head = head
-        self.compute_logits = compute_logits
+        # Hidden states [n, h] -> draft token ids [n] (``DraftLMHead.argmax``: over the
+        # head's draft vocabulary when it has one, mapped back to target ids in-graph).
+        self.argmax = argmax
         self.builder = setup.builder
         self.sizes = sorted(sizes)
         self.num_drafts = num_drafts
@@ -235,7 +237,7 @@ class EagleDraftGraphs:
         with forward_context(ForwardContext(attn_metadata=md)):
             hidden = self.head(input_ids, self.step_positions[:num_tokens], self.step_hidden[:num_tokens])
         hidden = hidden.index_select(0, last_index)
-        return self.compute_logits(hidden).argmax(dim=-1), hidden
+        return self.argmax(hidden), hidden
 
     def _step(self, size: int, md, step_md=None) -> torch.Tensor:
         """What a graph records: pass 1 (``query_len``) or the loaded first drafts, then
@@ -257,7 +259,7 @@ class EagleDraftGraphs:
             self.slot_mapping[:size].copy_(torch.where(drafting, block * bs + positions % bs, -1))
             with forward_context(ForwardContext(attn_metadata=md)):
                 hidden = self.head(tokens, self.positions[:size], hidden)
-            tokens = self.compute_logits(hidden).argmax(dim=-1)
+            tokens = self.argmax(hidden)
             self.drafts[:size, j].copy_(tokens)
         return self.drafts[:size]
 

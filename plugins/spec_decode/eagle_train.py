@@ -10,6 +10,11 @@ predict what this target would say::
        + reg_weight * smooth-L1(g_p, f_{p+1})               (EAGLE's feature regression)
     4. out_dir/config.json + model.safetensors in the standard EAGLE layout
 
+With ``draft_vocab_size`` N the head drafts over a draft vocabulary (``draft_vocab``): the N
+tokens most frequent in the text of step 1 (ties: the lower id), saved with the head; the
+cross-entropy then compares the two distributions over those N tokens only, as drafting
+will see them, and the agreement counts a target token outside them as a miss.
+
 The head starts as a copy of the target's first decoder layer reading only the embedding
 (``fc = [I | 0]``), i.e. the target truncated to one layer: a working drafter before the first
 step, which training then teaches to use the target's hidden state. Training runs on the
@@ -32,6 +37,7 @@ from torch import nn
 
 from pagelm.attention import Attention
 from pagelm.plugin_manager import get_plugin_manager
+from pagelm.plugins.spec_decode.draft_vocab import DRAFT_VOCAB_TENSOR
 
 
 @dataclass
@@ -72,6 +78,9 @@ class EagleTrainConfig(DraftTrainConfig):
     # EAGLE's uniform noise on the input features, relative to their std: drafting feeds the
     # head its own (imperfect) outputs, so it must not rely on exact ones.
     feature_noise: float = 0.1
+    # Draft over the N most frequent tokens of the training text only (None: the whole
+    # vocabulary); see ``pagelm.plugins.spec_decode.draft_vocab``.
+    draft_vocab_size: int | None = None
 
 
 def train_eagle_head(target: str | Path, out_dir: str | Path, cfg: EagleTrainConfig | None = None, log=print) -> dict:
@@ -94,7 +103,11 @@ def train_eagle_head(target: str | Path, out_dir: str | Path, cfg: EagleTrainCon
     config.eagle_input_layernorm = True
     head = get_plugin_manager().collect("model architecture").get(f"Eagle{arch}")(config)
     _init_from_target(head, model)
-    if cfg.steps == 0:  # the initialised head only (tests; a baseline to compare training with)
+    lm_head = model.get_output_embeddings()
+    vocab_size = lm_head.weight.shape[0]
+    if cfg.draft_vocab_size is not None and not 1 <= cfg.draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft_vocab_size must be in 1..{vocab_size} (the target's vocabulary), got {cfg.draft_vocab_size}")
+    if cfg.steps == 0 and cfg.draft_vocab_size is None:  # the initialised head only (tests; a baseline)
         report = {"target": str(target), "steps": 0, "config": cfg.public()}
         _save(head, config, arch, out_dir, report)
         return report
@@ -104,9 +117,18 @@ def train_eagle_head(target: str | Path, out_dir: str | Path, cfg: EagleTrainCon
     sequences = self_distillation_text(target, cfg)
     log(f"train-eagle: {len(sequences)} sequences of {sequences.shape[1]} tokens from the target "
         f"({time.monotonic() - start:.1f} s)")
+    draft_vocab, vocab_report = None, {}
+    if cfg.draft_vocab_size is not None:
+        draft_vocab, coverage = most_frequent_tokens(sequences, cfg.draft_vocab_size, vocab_size)
+        vocab_report = {"draft_vocab_size": len(draft_vocab), "draft_vocab_coverage": round(coverage, 4)}
+        log(f"train-eagle: draft vocabulary of {len(draft_vocab)} tokens, {coverage:.1%} of the text's tokens")
+    if cfg.steps == 0:  # the initialised head and its draft vocabulary
+        report = {"target": str(target), "steps": 0, **vocab_report, "config": cfg.public()}
+        _save(head, config, arch, out_dir, report, draft_vocab)
+        return report
     with torch.no_grad():
         features = model.get_decoder()(input_ids=sequences).last_hidden_state
-    lm_head = model.get_output_embeddings()
+    draft_logits = _draft_logits(lm_head, draft_vocab)
 
     # Held-out sequences pick the checkpoint: the head starts as a working drafter, and
     # training keeps a state only if it predicts the target better on text it never saw.
@@ -118,7 +140,7 @@ def train_eagle_head(target: str | Path, out_dir: str | Path, cfg: EagleTrainCon
     feature_scale = features.std().item()
     gen = torch.Generator().manual_seed(cfg.seed)
     hard = cfg.hard_labels if cfg.hard_labels is not None else cfg.temperature == 0.0
-    initial = best = _accuracy(head, shape, *val, lm_head)
+    initial = best = _accuracy(head, shape, *val, lm_head, draft_vocab)
     best_state = copy.deepcopy(head.state_dict())
     losses: list[float] = []
     step = 0
@@ -130,8 +152,8 @@ def train_eagle_head(target: str | Path, out_dir: str | Path, cfg: EagleTrainCon
             f_in = f_in + (torch.rand(f_in.shape, generator=gen) - 0.5) * 2 * cfg.feature_noise * feature_scale
         g = _run(head, shape, tokens, f_in)
         with torch.no_grad():
-            teacher = lm_head(f[:, 1:])
-        logits = lm_head(g)
+            teacher = draft_logits(f[:, 1:])
+        logits = draft_logits(g)
         if hard:  # greedy serving accepts the target's argmax: learn exactly that
             loss_cls = F.cross_entropy(logits.flatten(0, 1), teacher.argmax(-1).flatten())
         else:
@@ -145,7 +167,7 @@ def train_eagle_head(target: str | Path, out_dir: str | Path, cfg: EagleTrainCon
         losses.append(loss.item())
         out_of_time = cfg.max_seconds is not None and time.monotonic() - start > cfg.max_seconds
         if step % cfg.eval_every == 0 or step == cfg.steps or out_of_time:
-            accuracy = _accuracy(head, shape, *val, lm_head)
+            accuracy = _accuracy(head, shape, *val, lm_head, draft_vocab)
             if accuracy > best:
                 best, best_state = accuracy, copy.deepcopy(head.state_dict())
             log(f"train-eagle: step {step}/{cfg.steps} loss {sum(losses[-cfg.eval_every:]) / len(losses[-cfg.eval_every:]):.3f} "
@@ -162,9 +184,10 @@ def train_eagle_head(target: str | Path, out_dir: str | Path, cfg: EagleTrainCon
         # Top-1 agreement with the target's token one step ahead, on held-out sequences.
         "initial_agreement": round(initial, 4),
         "agreement": round(best, 4),
+        **vocab_report,
         "config": cfg.public(),
     }
-    _save(head, config, arch, out_dir, report)
+    _save(head, config, arch, out_dir, report, draft_vocab)
     log(f"train-eagle: wrote {out_dir} (held-out agreement with the target one token ahead: "
         f"{initial:.1%} at the start, {best:.1%} kept)")
     return report
@@ -210,6 +233,24 @@ def _prompts(llm, cfg: EagleTrainConfig) -> list[list[int]]:
     while len(out) < cfg.num_prompts:  # no tokenizer, or prompts too short: random tokens
         out.append([rng.randrange(vocab) for _ in range(cfg.prompt_len)])
     return out[: cfg.num_prompts]
+
+
+def most_frequent_tokens(sequences: torch.Tensor, n: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The ``n`` ids most frequent in ``sequences`` (ties: the lower id first), sorted
+    ascending, and the share of ``sequences``' tokens they cover."""
+    counts = torch.bincount(sequences.flatten(), minlength=vocab_size)
+    # A stable sort keeps equal counts in id order.
+    top = torch.sort(counts, descending=True, stable=True).indices[:n]
+    return top.sort().values, counts[top].sum().item() / max(1, counts.sum().item())
+
+
+def _draft_logits(lm_head: nn.Module, draft_vocab: torch.Tensor | None):
+    """Hidden states -> logits over the draft vocabulary's columns (all of them: ``lm_head``)."""
+    if draft_vocab is None:
+        return lm_head
+    weight = lm_head.weight[draft_vocab]
+    bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias[draft_vocab]
+    return lambda x: F.linear(x, weight, bias)
 
 
 def _one_layer(config):
@@ -279,20 +320,29 @@ def _run(head, shape, tokens: torch.Tensor, features_in: torch.Tensor) -> torch.
 
 
 @torch.no_grad()
-def _accuracy(head, shape, features, sequences, lm_head) -> float:
-    """How often the head's argmax equals the target's, one step ahead."""
+def _accuracy(head, shape, features, sequences, lm_head, draft_vocab: torch.Tensor | None = None) -> float:
+    """How often the head's draft (its argmax, over the draft vocabulary when there is one)
+    equals the target's argmax, one step ahead."""
     g = _run(head, shape, sequences, features[:, :-1])
-    return (lm_head(g).argmax(-1) == lm_head(features[:, 1:]).argmax(-1)).float().mean().item()
+    drafts = _draft_logits(lm_head, draft_vocab)(g).argmax(-1)
+    if draft_vocab is not None:
+        drafts = draft_vocab[drafts]
+    return (drafts == lm_head(features[:, 1:]).argmax(-1)).float().mean().item()
 
 
-def _save(head: nn.Module, config, arch: str, out_dir: Path, report: dict) -> None:
+def _save(head: nn.Module, config, arch: str, out_dir: Path, report: dict, draft_vocab: torch.Tensor | None = None) -> None:
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(head.checkpoint_weights(), str(out_dir / "model.safetensors"))
+    tensors = head.checkpoint_weights()
+    if draft_vocab is not None:
+        tensors[DRAFT_VOCAB_TENSOR] = draft_vocab.long().contiguous()
+    save_file(tensors, str(out_dir / "model.safetensors"))
     data = config.to_dict()
     for key in ("eagle_fc_bias", "eagle_input_layernorm", "eagle_own_embedding"):
         data.pop(key, None)
     data.update(architectures=[arch], num_hidden_layers=1)
+    if draft_vocab is not None:
+        data["draft_vocab_size"] = len(draft_vocab)
     (out_dir / "config.json").write_text(json.dumps(data, indent=2, default=str))
     (out_dir / "eagle_training.json").write_text(json.dumps(report, indent=2))

@@ -9,7 +9,9 @@ would with a real head that nobody's drafts are accepted from::
 An EAGLE head is the target's config cut to one decoder layer (what ``pagelm train-eagle``
 writes, the same architecture and sizes); Medusa's heads are ``k`` residual blocks that use
 the target's LM head (``--medusa-shared-lm-head``'s layout). Weights are drawn from
-N(0, 0.02) (norms 1), in the target's dtype, and written once per target and seed.
+N(0, 0.02) (norms 1), in the target's dtype, and written once per target and seed. An EAGLE
+head may carry a draft vocabulary of the first ``draft_vocab_size`` ids (what a trained
+head's most frequent tokens would cost: ``pagelm.plugins.spec_decode.draft_vocab``).
 """
 
 from __future__ import annotations
@@ -25,13 +27,19 @@ from pagelm.plugin_manager import get_plugin_manager
 METHODS = ("eagle", "medusa")
 
 
-def random_draft_head(target: str | Path, method: str, out_dir: str | Path, num_heads: int = 4, seed: int = 0) -> Path:
-    """Write (unless already there) a random ``method`` head for ``target`` into ``out_dir``."""
+def random_draft_head(
+    target: str | Path, method: str, out_dir: str | Path, num_heads: int = 4, seed: int = 0,
+    draft_vocab_size: int | None = None,
+) -> Path:
+    """Write (unless already there) a random ``method`` head for ``target`` into ``out_dir``
+    (EAGLE: with a draft vocabulary of ids ``0..draft_vocab_size - 1`` unless None)."""
     from transformers import AutoConfig
 
     assert method in METHODS, f"random draft heads exist for {METHODS}, not {method!r}"
+    assert draft_vocab_size is None or method == "eagle", "a draft vocabulary is an EAGLE head's"
     out_dir = Path(out_dir).expanduser()
-    stamp = {"random_draft_head": method, "target": str(Path(target).expanduser()), "seed": seed, "num_heads": num_heads}
+    stamp = {"random_draft_head": method, "target": str(Path(target).expanduser()), "seed": seed, "num_heads": num_heads,
+             "draft_vocab_size": draft_vocab_size}
     done = out_dir / "random_head.json"
     if done.is_file() and json.loads(done.read_text()) == stamp:
         return out_dir
@@ -42,7 +50,7 @@ def random_draft_head(target: str | Path, method: str, out_dir: str | Path, num_
     gen = torch.Generator().manual_seed(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     if method == "eagle":
-        _eagle(config, dtype, gen, out_dir)
+        _eagle(config, dtype, gen, out_dir, draft_vocab_size)
     else:
         _medusa(text.hidden_size, num_heads, dtype, gen, out_dir)
     done.write_text(json.dumps(stamp))
@@ -62,9 +70,10 @@ def _fill(tensors: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, t
     return out
 
 
-def _eagle(config, dtype: torch.dtype, gen: torch.Generator, out_dir: Path) -> None:
+def _eagle(config, dtype: torch.dtype, gen: torch.Generator, out_dir: Path, draft_vocab_size: int | None) -> None:
     from safetensors.torch import save_file
 
+    from pagelm.plugins.spec_decode.draft_vocab import DRAFT_VOCAB_TENSOR
     from pagelm.plugins.spec_decode.eagle_train import _one_layer
 
     config = _one_layer(config)
@@ -73,8 +82,15 @@ def _eagle(config, dtype: torch.dtype, gen: torch.Generator, out_dir: Path) -> N
     head_cls = get_plugin_manager().collect("model architecture").get(f"Eagle{arch}")
     with default_dtype(dtype):
         head = head_cls(config)
-    save_file(_fill(head.checkpoint_weights(), gen), str(out_dir / "model.safetensors"))
+    tensors = _fill(head.checkpoint_weights(), gen)
     data = config.to_dict()
+    if draft_vocab_size is not None:
+        vocab_size = config.get_text_config().vocab_size
+        if not 1 <= draft_vocab_size <= vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 1..{vocab_size}, got {draft_vocab_size}")
+        tensors[DRAFT_VOCAB_TENSOR] = torch.arange(draft_vocab_size)
+        data["draft_vocab_size"] = draft_vocab_size
+    save_file(tensors, str(out_dir / "model.safetensors"))
     data.pop("eagle_input_layernorm", None)  # the loader reads it off the weights
     data.update(architectures=[arch], num_hidden_layers=1)
     (out_dir / "config.json").write_text(json.dumps(data, indent=2, default=str))

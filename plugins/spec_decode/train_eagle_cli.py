@@ -25,6 +25,10 @@ def add_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
+                   help="eagle: draft over the N tokens most frequent in the training text only (EAGLE-3's reduced "
+                   "vocabulary: each drafting pass reads N rows of the target's LM head, not all of them); "
+                   "saved with the head (default: the whole vocabulary)")
     p.add_argument("--medusa-num-heads", type=int, default=4,
                    help="medusa: heads to train, the most drafts per step (default: %(default)s)")
     p.add_argument("--medusa-num-layers", type=int, default=1,
@@ -49,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, seed=args.seed, prompts=prompts,
     )
     if args.method == "medusa":
+        if args.draft_vocab_size is not None:
+            raise SystemExit("--draft-vocab-size is for EAGLE heads (--method eagle)")
         from pagelm.plugins.spec_decode.medusa_train import MedusaTrainConfig, train_medusa_heads
 
         cfg = MedusaTrainConfig(
@@ -59,5 +65,5 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
 
-    train_eagle_head(target, args.out, EagleTrainConfig(**common))
+    train_eagle_head(target, args.out, EagleTrainConfig(draft_vocab_size=args.draft_vocab_size, **common))
     return 0
