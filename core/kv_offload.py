@@ -74,7 +74,9 @@ class KVOffloadTier(ABC):
     def load(self, request: "Request", start_block: int, block_ids: Sequence[int]) -> None:
         """Copy tier KV into the GPU blocks ``block_ids``: a swapped-out request's own blocks
         (``start_block`` 0; the tier lets go of them), or else the prefix-cache blocks of
-        ``request.block_hashes[start_block:]`` that ``count_hits`` found."""
+        ``request.block_hashes[start_block:]`` that ``count_hits`` found. The copies join
+        ``swap_in`` in the order of these calls, one pair per block of ``block_ids``: the
+        manager names the request of each run of them (``KVTransfers.loads``)."""
 
     @abstractmethod
     def spill(self, block_id: int, block_hash: "BlockHash") -> None:
@@ -105,7 +107,19 @@ class KVCopier(ABC):
     def before_step(self, sched: SchedulerOutput) -> None:
         """Called by the model runner before it queues ``sched``'s forward pass (every step,
         while a tier exists): queue ``sched.kv_transfers`` and make the forward pass wait
-        for copies it depends on (swap-ins it reads, swap-outs of blocks it rewrites)."""
+        for the copies it depends on: swap-outs of blocks it rewrites, and the loads of the
+        requests in ``kv_transfers.waits``. The loads queued now (``kv_transfers.loads``)
+        should not hold this step up: ``finished_loads`` reports them once they land."""
+
+    def finished_loads(self, wait: bool) -> list[str] | None:
+        """The requests whose loads (``KVTransfers.loads``) have landed since the last call,
+        in the order they were queued; the first rank's answer goes to the scheduler, which
+        then schedules them. ``wait``: the step had nothing to compute, so block until the
+        oldest pending load lands rather than return nothing (the engine would spin).
+
+        None, the default (a copier written for plugin API 2.17, whose forward pass waits for
+        the swap-ins it queues): the loads of the step just finished are done."""
+        return None
 
 
 class KVOffload(ABC):

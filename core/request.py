@@ -19,6 +19,8 @@ class RequestStatus(enum.IntEnum):
     WAITING_FOR_GRAMMAR = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    # Admitted with KV in the second tier: its blocks are being loaded back, not yet scheduled.
+    WAITING_FOR_KV = enum.auto()
     # Everything after this is finished.
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()

@@ -48,6 +48,8 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
         self.offload = offload
+        # This step's loads from the tier, in the order their swap-ins were queued.
+        self._loads: list[tuple[str, int]] = []
         if offload is not None and enable_caching:
             self.pool.on_evict = offload.spill
 
@@ -132,6 +134,7 @@ class KVCacheManager:
         if num_loaded:
             num_load_blocks = cdiv(num_loaded, self.block_size)
             self.offload.load(request, len(req_blocks), [b.block_id for b in new_blocks[:num_load_blocks]])
+            self._loads.append((request.request_id, num_load_blocks))
         req_blocks.extend(new_blocks)
 
         if self.enable_caching and not request.skip_prefix_cache:
@@ -177,8 +180,14 @@ class KVCacheManager:
         return True
 
     def take_transfers(self):
-        """This step's copies between the tiers (``SchedulerOutput.kv_transfers``)."""
-        return None if self.offload is None else self.offload.take_transfers()
+        """This step's copies between the tiers (``SchedulerOutput.kv_transfers``), with the
+        request each load is for (the runner reports each one when it lands)."""
+        if self.offload is None:
+            return None
+        transfers = self.offload.take_transfers()
+        if self._loads:
+            transfers.loads, self._loads = self._loads, []
+        return transfers
 
     def free(self, request: Request) -> None:
         """Return the request's blocks, tail first so the shared prefix is evicted last (and

@@ -40,18 +40,27 @@ class CachedRequestData:
 
 @dataclass(slots=True)
 class KVTransfers:
-    """One step's block copies, run before its forward pass in this order::
+    """One step's block copies, queued before its forward pass in this order::
 
         swap_out: GPU block -> tier block    (victims' blocks, spilled prefix blocks)
         swap_in:  tier block -> GPU block    (resumed requests, prefix hits in the tier)
 
-    Out first: a GPU block freed by a swap-out may be the destination of a swap-in."""
+    Out first: a GPU block freed by a swap-out may be the destination of a swap-in.
+
+    Loads (swap-ins) are asynchronous: ``loads`` names the request each run of ``swap_in``
+    pairs is for, and no forward pass waits for them until the scheduler, told by the runner
+    that a request's load is done (``ModelRunnerOutput.finished_loads``), lists the request in
+    a later step's ``waits``: every rank's forward pass of that step waits for its own copy of
+    that load (the first rank's copy being done says nothing of the others'). A load given up
+    (its request aborted) is listed in ``waits`` too: its blocks may be reused."""
 
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block_id, tier_block_id)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (tier_block_id, gpu_block_id)
+    loads: list[tuple[str, int]] = field(default_factory=list)  # (req_id, its swap_in pairs), in order
+    waits: list[str] = field(default_factory=list)  # req_ids whose loads this step's forward reads
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in)
+        return bool(self.swap_out or self.swap_in or self.waits)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pagelm.kv_cache import KVCacheManager
 from pagelm.registry import PluginError
 from pagelm.request import Request, RequestStatus
 from pagelm.sched.encoder_cache import EncoderCacheManager
-from pagelm.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagelm.sched.output import CachedRequestData, KVTransfers, NewRequestData, SchedulerOutput
 from pagelm.sched.policy import SchedulingPolicy
 from pagelm.spec_decode.stats import SpecDecodingStats
 from pagelm.structured_output import StructuredOutputManager
@@ -82,6 +82,13 @@ class Scheduler:
         # encoder may make per step (None: a text-only model).
         self.encoder_cache = encoder_cache
         self.encoder_budget = config.encoder_budget
+        # Second KV tier: requests whose KV is being loaded back from it (admitted, holding
+        # their blocks, not yet scheduled), the loads the runner has reported landed but no
+        # step has waited for yet, and those requests until their first step is scheduled
+        # (the runner has not seen them).
+        self._loading: dict[str, Request] = {}
+        self._load_waits: list[str] = []
+        self._unsent: set[str] = set()
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -106,6 +113,10 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+                self._unsent.discard(req_id)
+            elif req.status == RequestStatus.WAITING_FOR_KV:
+                del self._loading[req_id]
+                self._load_waits.append(req_id)  # its blocks are reused only after its load
             elif req.status != RequestStatus.WAITING_FOR_GRAMMAR:
                 self.waiting.remove(req)
             req.status = status
@@ -120,6 +131,9 @@ class Scheduler:
         self.running.clear()
         self.waiting = self.policy.make_queue()
         self._unupdated_steps.clear()
+        self._loading.clear()
+        self._load_waits.clear()
+        self._unsent.clear()
         for req in failed:
             req.status = RequestStatus.FINISHED_ERROR
             self._free(req)
@@ -147,7 +161,7 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         compiling = self.structured_output.num_waiting_for_grammar if self.structured_output else 0
-        return len(self.waiting) + compiling
+        return len(self.waiting) + compiling + len(self._loading)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -207,6 +221,9 @@ class Scheduler:
                 self.encoder_cache.commit(req, encodes)
             step.book(req, num_new, partial, out)
             step.new_block_ids[req.request_id] = [b.block_id for b in blocks]
+            if req.request_id in self._unsent:  # loaded from the tier: its first step
+                self._unsent.discard(req.request_id)
+                out.scheduled_new_reqs.append(self._new_request_data(req))
             num_drafts = req.num_computed_tokens + num_new - req.num_tokens_with_placeholders
             if num_drafts > 0:
                 out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:num_drafts]
@@ -221,11 +238,21 @@ class Scheduler:
                 # several steps in flight (pipeline) one of them still owes it a token.
                 break
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            if self._loading and self._hits_loading(hits):
+                break  # its prefix is still being loaded for another request: soon
+            if num_hit_tokens > len(hits) * self.kv.block_size:  # KV in the second tier
+                if self._start_load(req, hits, num_hit_tokens):
+                    continue
+                victim = self._victim_for_waiting(req)
+                if victim is None:
+                    break
+                self._preempt(victim, out, step)
+                continue
             chunk = self._plan_chunk(req, num_hit_tokens, step)
             if chunk is None:
                 break
             num_new, encodes, partial = chunk
-            if len(self.running) < self.config.max_num_seqs:
+            if len(self.running) + len(self._loading) < self.config.max_num_seqs:
                 lookahead = self._num_lookahead(req, num_hit_tokens + num_new, partial)
                 if self.kv.allocate_slots(req, num_new, lookahead, hits, num_hit_tokens) is not None:
                     self._admit(req, num_hit_tokens, out)
@@ -239,6 +266,12 @@ class Scheduler:
             self._preempt(victim, out, step)
 
     def _admit(self, req: Request, num_hit_tokens: int, out: SchedulerOutput) -> None:
+        self._take_from_waiting(req, num_hit_tokens)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled_new_reqs.append(self._new_request_data(req))
+
+    def _take_from_waiting(self, req: Request, num_hit_tokens: int) -> None:
         # A request preempted with a step in flight gets that step's token before its next
         # schedule(): it is never admitted the step it gave way.
         assert req.num_output_placeholders == 0, f"{req.request_id} admitted with a token in flight"
@@ -247,20 +280,53 @@ class Scheduler:
             req.num_cached_tokens = num_hit_tokens
             self.kv.prefix_cache_stats.record(req.num_tokens, num_hit_tokens)
         req.num_computed_tokens = num_hit_tokens
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
-        out.scheduled_new_reqs.append(
-            NewRequestData(
-                req_id=req.request_id,
-                prompt_token_ids=req.prompt_token_ids,
-                output_token_ids=list(req.output_token_ids),
-                sampling_params=req.sampling_params,
-                block_ids=self.kv.get_block_ids(req.request_id),
-                num_computed_tokens=num_hit_tokens,
-                need_prompt_logprobs=not req.prompt_logprobs_done,
-                mm_features=req.mm_features,
-            )
+
+    def _new_request_data(self, req: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=list(req.output_token_ids),
+            sampling_params=req.sampling_params,
+            block_ids=self.kv.get_block_ids(req.request_id),
+            num_computed_tokens=req.num_computed_tokens,
+            need_prompt_logprobs=not req.prompt_logprobs_done,
+            mm_features=req.mm_features,
         )
+
+    # ---- loads from the second KV tier ---------------------------------------------------
+    def _start_load(self, req: Request, hits: list, num_hit_tokens: int) -> bool:
+        """Admit the waiting head ``req`` without scheduling it: take its GPU hits and blocks
+        for its KV in the tier, whose copies the runner queues behind this step, and park it
+        until the runner reports them landed (``update_from_output``). Other requests' steps
+        run meanwhile instead of waiting for the copies. False: no room (nothing changed)."""
+        if len(self.running) + len(self._loading) >= self.config.max_num_seqs:
+            return False
+        if self.kv.allocate_slots(req, 0, 0, hits, num_hit_tokens) is None:
+            return False
+        self._take_from_waiting(req, num_hit_tokens)
+        req.status = RequestStatus.WAITING_FOR_KV
+        self._loading[req.request_id] = req
+        return True
+
+    def _hits_loading(self, hits: list) -> bool:
+        """Whether a prefix hit is a block a load has yet to fill (registered in the prefix
+        cache when the load was queued)."""
+        if not hits:
+            return False
+        loading = {b for req_id in self._loading for b in self.kv.get_block_ids(req_id)}
+        return any(b.block_id in loading for b in hits)
+
+    def _loads_landed(self, req_ids: list[str]) -> None:
+        """The runner reports these requests' KV in the GPU pool: they run from the next step,
+        whose forward pass waits for their copies on every rank."""
+        for req_id in req_ids:
+            req = self._loading.pop(req_id, None)
+            if req is None:  # aborted meanwhile
+                continue
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._unsent.add(req_id)
+            self._load_waits.append(req_id)
 
     def _finalize(self, out: SchedulerOutput, step: "_StepState") -> None:
         new_ids = {r.req_id for r in out.scheduled_new_reqs}
@@ -290,6 +356,10 @@ class Scheduler:
             out.free_encoder_identifiers = self.encoder_cache.end_step()
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.kv_transfers = self.kv.take_transfers()
+        if self._load_waits:
+            if out.kv_transfers is None:
+                out.kv_transfers = KVTransfers()
+            out.kv_transfers.waits, self._load_waits = self._load_waits, []
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
         self._unupdated_steps.append((out, scheduled))
 
@@ -349,6 +419,7 @@ class Scheduler:
         prefix cache; nobody writes them now, so they leave the cache, and a request admitted
         this step on a hit of one of them gives way too (it would read KV nobody wrote)."""
         self.running.remove(req)
+        self._unsent.discard(req.request_id)
         step.unbook(req, out)
         unwritten = self.kv.uncache_unwritten(req)
         mode = self.config.preemption_mode
@@ -436,6 +507,8 @@ class Scheduler:
         finished requests (preempted ones too: their token came back after they gave way)."""
         outputs = [EngineCoreOutput(r.request_id, [], finish_reason="error", error=r.error) for r in self._failed]
         finished, self._failed = self._failed, []
+        if runner_out.finished_loads:
+            self._loads_landed(runner_out.finished_loads)
         index = {req_id: i for i, req_id in enumerate(runner_out.req_ids)}
         if sched_out.structured_output_request_ids:
             self._advance_grammars(sched_out, runner_out, index)

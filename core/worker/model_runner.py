@@ -448,9 +448,19 @@ class ModelRunner:
     @torch.inference_mode()
     def finish(self, pending: PendingStep) -> ModelRunnerOutput:
         """Wait for a launched step's samples (the one host sync per step) and return them as
-        plain lists; they replace the step's placeholders in the token lists."""
-        if pending.output is not None:
-            return pending.output
+        plain lists; they replace the step's placeholders in the token lists. With a second
+        KV tier, also the loads from it that have landed since the last step (a step with
+        nothing to compute waits for the oldest one instead of letting the engine spin)."""
+        out = pending.output if pending.output is not None else self._collect(pending)
+        if self.kv_copier is not None:
+            done = self.kv_copier.finished_loads(wait=pending.sched.is_empty)
+            if done is None:  # a copier whose steps wait for their own loads
+                transfers = pending.sched.kv_transfers
+                done = [req_id for req_id, _ in transfers.loads] if transfers is not None else []
+            out.finished_loads = done
+        return out
+
+    def _collect(self, pending: PendingStep) -> ModelRunnerOutput:
         if self._in_flight is pending:
             self._in_flight = None  # the next step finds all of its inputs on the host
         with host_sync_point():

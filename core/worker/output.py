@@ -40,3 +40,6 @@ class ModelRunnerOutput:
     # Speculative decoding: per request, the drafts proposed for the next step (empty when
     # none); an empty list overall when speculative decoding is off.
     draft_token_ids: list[list[int]] = field(default_factory=list)
+    # With a second KV tier: requests whose loads from the tier have landed in the GPU pool
+    # since the last report (the scheduler may now schedule them; see KVTransfers).
+    finished_loads: list[str] = field(default_factory=list)

@@ -200,7 +200,7 @@ def encode_scheduler_output(s: SchedulerOutput) -> list:
         [[r.req_id, r.new_block_ids, r.num_computed_tokens] for r in s.scheduled_cached_reqs],
         list(s.num_scheduled_tokens.items()), s.total_num_scheduled_tokens,
         sorted(s.finished_req_ids), sorted(s.preempted_req_ids), s.needs_previous_tokens,
-        None if s.kv_transfers is None else [s.kv_transfers.swap_out, s.kv_transfers.swap_in],
+        None if s.kv_transfers is None else [s.kv_transfers.swap_out, s.kv_transfers.swap_in, s.kv_transfers.loads, s.kv_transfers.waits],
         s.structured_output_request_ids, bitmask, list(s.scheduled_spec_decode_tokens.items()),
     ]
 
@@ -218,8 +218,12 @@ def decode_scheduler_output(data: list) -> SchedulerOutput:
         finished_req_ids=set(finished),
         preempted_req_ids=set(preempted),
         needs_previous_tokens=needs_previous,
-        kv_transfers=None if transfers is None else KVTransfers(*([tuple(p) for p in pairs] for pairs in transfers)),
+        kv_transfers=None if transfers is None else _decode_transfers(*transfers),
         structured_output_request_ids=guided,
         grammar_bitmask=None if bitmask is None else _FrozenBitmask.from_wire(bitmask),
         scheduled_spec_decode_tokens=dict(drafts),
     )
+
+
+def _decode_transfers(swap_out: list, swap_in: list, loads: list, waits: list) -> KVTransfers:
+    return KVTransfers([tuple(p) for p in swap_out], [tuple(p) for p in swap_in], [tuple(p) for p in loads], list(waits))

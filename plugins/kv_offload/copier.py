@@ -8,20 +8,27 @@ On CUDA every copy runs on a side stream, in step order. A step's copies start o
 steps before it have been queued (they may still be writing the KV a swap-out reads), and
 the forward pass waits for them only when it needs them::
 
-    side stream:     |-- step N's swap-outs, swap-ins --|
-    compute stream:  .. step N-1 ..|(wait, if N reads a swap-in or rewrites a block
-                                      swapped out)| step N's forward ...
+    side stream:     |-- step N's swap-outs --|-- load A --|-- load B --|
+    compute stream:  .. step N-1 ..|(wait, if N rewrites a block swapped out)| step N ...
+                                                 ... step M (waits: A) |(wait A)| A's prefill
 
 A swap-out whose GPU blocks step N does not rewrite overlaps step N's forward; the first
-later step that allocates one of those blocks waits for it.
+later step that allocates one of those blocks waits for it. A load (a request's blocks read
+back from the tier) holds no step up: each request's load records an event, polled by
+``finished_loads``; the scheduler schedules the request once it is reported, and names it in
+that step's ``waits``, whose forward pass then waits for the event on every rank (a no-op
+on the first rank, which reported it done; another rank's copy may lag).
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 
 from pagelm.kv_offload import KVCopier, KVTransfers
 from pagelm.sched.output import SchedulerOutput
+from pagelm.worker.step_state import host_sync_point
 
 
 # What one batch of copies stages on the device at most (a run of blocks longer than this is
@@ -48,46 +55,84 @@ class CPUCopier(KVCopier):
         block_bytes = self.cpu_cache[0].numel() * self.cpu_cache.element_size()
         self.blocks_per_batch = max(1, STAGING_BYTES // block_bytes)
         self.stream = torch.cuda.Stream(self.device) if cuda else None
-        self.copied = torch.cuda.Event() if cuda else None
+        self.copied = torch.cuda.Event() if cuda else None  # after the last step's swap-outs
         # GPU blocks read by queued swap-outs that no forward pass has waited for yet.
         self._unwaited: set[int] = set()
+        # Loads: not yet reported (in queue order), and not yet waited for by a forward pass.
+        self._pending: deque[tuple[str, torch.cuda.Event | None]] = deque()
+        self._load_events: dict[str, torch.cuda.Event] = {}
 
     def before_step(self, sched: SchedulerOutput) -> None:
         transfers = sched.kv_transfers
-        if self.stream is None:
+        if self.stream is None:  # the CPU: copies are done when queued
             if transfers:
-                self._copy(transfers)
+                self._copy_out(transfers.swap_out)
+                self._copy_in(transfers)
             return
         current = torch.cuda.current_stream(self.device)
         if transfers:
-            self.stream.wait_stream(current)  # KV written by the steps queued before this one
-            with torch.cuda.stream(self.stream):
-                self._copy(transfers)
-            self.copied.record(self.stream)
-            self._unwaited.update(gpu for gpu, _ in transfers.swap_out)
-            if transfers.swap_in:
-                self._wait(current)
-                return
+            for req_id in transfers.waits:
+                event = self._load_events.pop(req_id, None)
+                if event is not None:
+                    current.wait_event(event)  # on the device: the host goes on
+            if transfers.swap_out or transfers.swap_in:
+                self.stream.wait_stream(current)  # KV written by the steps queued before this one
+                with torch.cuda.stream(self.stream):
+                    if transfers.swap_out:
+                        self._copy_out(transfers.swap_out)
+                        self.copied.record(self.stream)
+                        self._unwaited.update(gpu for gpu, _ in transfers.swap_out)
+                    if self._copy_in(transfers):  # swap-ins nobody named: this step reads them
+                        current.wait_stream(self.stream)
         if self._unwaited and not self._unwaited.isdisjoint(_new_block_ids(sched)):
-            self._wait(current)
+            current.wait_event(self.copied)
+            self._unwaited.clear()
 
-    def _wait(self, stream: torch.cuda.Stream) -> None:
-        stream.wait_event(self.copied)  # on the device: the host goes on
-        self._unwaited.clear()
+    def finished_loads(self, wait: bool) -> list[str]:
+        done: list[str] = []
+        while self._pending:
+            req_id, event = self._pending[0]
+            if event is not None and not event.query():
+                if done or not wait:
+                    break
+                with host_sync_point():  # nothing else to do: the oldest load, then report
+                    event.synchronize()
+            done.append(req_id)
+            self._pending.popleft()
+        return done
 
-    def _copy(self, transfers: KVTransfers) -> None:
-        """Each batch of blocks goes through a device staging buffer ``[blocks, layers, ...]``:
-        one gather (or scatter) kernel per layer on the device side, one copy per run of
-        consecutive tier blocks on the host side."""
+    def _copy_in(self, transfers: KVTransfers) -> bool:
+        """Each request's load, then an event for it; True if pairs no load names are left
+        (a tier that does not name its loads: the step waits for them, as before 2.18)."""
+        start = 0
+        for req_id, n in transfers.loads:
+            self._copy_in_blocks(transfers.swap_in[start : start + n])
+            start += n
+            event = None
+            if self.stream is not None:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                self._load_events[req_id] = event
+            self._pending.append((req_id, event))
+        self._copy_in_blocks(transfers.swap_in[start:])
+        return start < len(transfers.swap_in)
+
+    # Each batch of blocks goes through a device staging buffer ``[blocks, layers, ...]``:
+    # one gather (or scatter) kernel per layer on the device side, one copy per run of
+    # consecutive tier blocks on the host side.
+    def _copy_out(self, pairs: list[tuple[int, int]]) -> None:
         n = self.blocks_per_batch
-        for i in range(0, len(transfers.swap_out), n):
-            gpu_ids, cpu_ids = zip(*transfers.swap_out[i : i + n])
+        for i in range(0, len(pairs), n):
+            gpu_ids, cpu_ids = zip(*pairs[i : i + n])
             src = self._index(gpu_ids)
             staged = torch.stack([c.index_select(self.block_dim, src).movedim(self.block_dim, 0) for c in self.gpu_caches], 1)
             for a, b, first in _runs(cpu_ids):
                 self.cpu_cache[first : first + b - a].copy_(staged[a:b], non_blocking=True)
-        for i in range(0, len(transfers.swap_in), n):
-            cpu_ids, gpu_ids = zip(*transfers.swap_in[i : i + n])
+
+    def _copy_in_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        n = self.blocks_per_batch
+        for i in range(0, len(pairs), n):
+            cpu_ids, gpu_ids = zip(*pairs[i : i + n])
             staged = torch.empty((len(cpu_ids), *self.cpu_cache.shape[1:]), dtype=self.cpu_cache.dtype, device=self.device)
             for a, b, first in _runs(cpu_ids):
                 staged[a:b].copy_(self.cpu_cache[first : first + b - a], non_blocking=True)

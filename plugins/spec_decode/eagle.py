@@ -46,7 +46,7 @@ from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs, replays_without_host_planning, uniform_query_len
 from pagelm.spec_decode import DraftGraphSetup
 
-PAGELM_PLUGIN_API = "2.17"
+PAGELM_PLUGIN_API = "2.18"
 
 logger = logging.getLogger("pagelm")
 
