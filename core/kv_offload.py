@@ -83,6 +83,13 @@ class KVOffloadTier(ABC):
         """The GPU pool is evicting prefix-cache block ``block_id`` to reuse it: keep its KV
         under ``block_hash`` if there is room (the copy runs before the block is rewritten)."""
 
+    def loads_landed(self, request_ids: Sequence[str]) -> None:
+        """The runner reports these requests' loads landed (``ModelRunnerOutput.finished_loads``;
+        a request aborted while loading is reported too): the tier blocks they read may be
+        reused. Added in 2.18; the default does nothing, for a tier that lets go of a load's
+        sources once its step's copies are queued (right only with a copier that runs a
+        step's copies in order before anything later)."""
+
     @abstractmethod
     def free(self, request_id: str) -> None:
         """``request_id`` left the engine (finished, aborted, failed): drop its swapped blocks."""

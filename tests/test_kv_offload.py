@@ -252,7 +252,14 @@ def test_a_spill_never_evicts_the_tier_block_a_load_reads_in_the_same_step():
     assert transfers.swap_in == [(h1_block.block_id, 10)]
     assert transfers.swap_out == [(7, tier.pool.get_cached_block(b"another prefix block").block_id)]
     assert transfers.swap_out[0][1] != h1_block.block_id
-    assert tier.count_hits([h1, h2]) == 1 and tier.num_free_blocks == 2
+    assert tier.count_hits([h1, h2]) == 1 and tier.num_free_blocks == 1
+    # Until the runner reports the load landed, its source stays held: a later step's spill
+    # evicts the other block, never the one being read.
+    other = transfers.swap_out[0][1]
+    tier.spill(8, b"a third prefix block")
+    assert tier.take_transfers().swap_out == [(8, other)] and tier.pool.get_cached_block(h1) is h1_block
+    tier.loads_landed(["a"])
+    assert tier.num_free_blocks == 2
 
 
 def test_a_block_evicted_then_reused_as_a_load_target_in_one_step_is_still_spilled():
@@ -301,6 +308,8 @@ def test_a_block_loaded_and_swapped_out_again_in_one_step_is_shared_not_copied()
     assert tier.swapped["a"][0] == swapped_blocks  # the same tier blocks, still holding its KV
     assert tier.num_free_blocks == 2
     tier.free("a")
+    assert tier.num_free_blocks == 2  # the load in flight still reads them
+    tier.loads_landed(["a"])
     assert tier.num_free_blocks == 4
 
 
@@ -314,6 +323,7 @@ def check_invariants(sched: Scheduler) -> None:
     kv, tier = sched.kv, sched.kv.offload
     gpu_holders = [b for blocks in kv.req_to_blocks.values() for b in blocks]
     tier_holders = [b for blocks, _ in tier.swapped.values() for b in blocks]
+    tier_holders += [b for blocks in tier._load_sources.values() for b in blocks]  # loads not landed
     for pool, holders in ((kv.pool, gpu_holders), (tier.pool, tier_holders)):
         counts: dict[int, int] = {}
         for b in holders:
@@ -325,7 +335,7 @@ def check_invariants(sched: Scheduler) -> None:
             assert (b.ref_cnt == 0) == (b.block_id in free), f"{b} free={b.block_id in free}"
         for block_hash, b in pool.cached_blocks.items():
             assert b.block_hash == block_hash
-    assert not tier._held and not tier._loading and not tier._spills  # settled by take_transfers
+    assert not tier._loading and not tier._spills  # settled by take_transfers
     for req_id, (blocks, num_tokens) in tier.swapped.items():
         req = sched.requests[req_id]
         assert req.status == RequestStatus.PREEMPTED and req_id not in kv.req_to_blocks
@@ -395,7 +405,7 @@ def test_random_add_abort_step_keeps_both_pools_consistent(ops, num_blocks, num_
         if not sched.has_unfinished_requests():
             break
         step()
-    assert not sched.has_unfinished_requests()
+    assert not sched.has_unfinished_requests() and not any(in_flight_loads)
     sched.schedule()  # settles the last step's copies
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
     assert sched.kv.offload.num_free_blocks == sched.kv.offload.pool.num_blocks

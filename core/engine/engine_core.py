@@ -456,6 +456,9 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's next step, noting when each request was first scheduled (a request
         resumed after preemption keeps its first time)."""
+        landed = self.runner.poll_loads()
+        if landed:  # loads from the KV tier that landed since the last step: schedule them now
+            self.scheduler.loads_landed(landed)
         sched_out = self.scheduler.schedule()
         if sched_out.scheduled_new_reqs:
             now = time.time()

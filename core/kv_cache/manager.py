@@ -189,6 +189,11 @@ class KVCacheManager:
             transfers.loads, self._loads = self._loads, []
         return transfers
 
+    def loads_landed(self, request_ids: list[str]) -> None:
+        """The runner reports these loads from the tier landed: the tier may reuse their sources."""
+        if self.offload is not None:
+            self.offload.loads_landed(request_ids)
+
     def free(self, request: Request) -> None:
         """Return the request's blocks, tail first so the shared prefix is evicted last (and
         its swapped-out blocks in the tier, if any)."""

@@ -89,6 +89,9 @@ class Scheduler:
         self._loading: dict[str, Request] = {}
         self._load_waits: list[str] = []
         self._unsent: set[str] = set()
+        # Loads of requests aborted while loading, not reported yet: the engine steps on
+        # until they land, so that the tier gets their sources back.
+        self._abandoned_loads: set[str] = set()
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -117,6 +120,7 @@ class Scheduler:
             elif req.status == RequestStatus.WAITING_FOR_KV:
                 del self._loading[req_id]
                 self._load_waits.append(req_id)  # its blocks are reused only after its load
+                self._abandoned_loads.add(req_id)
             elif req.status != RequestStatus.WAITING_FOR_GRAMMAR:
                 self.waiting.remove(req)
             req.status = status
@@ -134,6 +138,7 @@ class Scheduler:
         self._loading.clear()
         self._load_waits.clear()
         self._unsent.clear()
+        self._abandoned_loads.clear()
         for req in failed:
             req.status = RequestStatus.FINISHED_ERROR
             self._free(req)
@@ -164,7 +169,7 @@ class Scheduler:
         return len(self.waiting) + compiling + len(self._loading)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self._abandoned_loads)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -316,10 +321,12 @@ class Scheduler:
         loading = {b for req_id in self._loading for b in self.kv.get_block_ids(req_id)}
         return any(b.block_id in loading for b in hits)
 
-    def _loads_landed(self, req_ids: list[str]) -> None:
+    def loads_landed(self, req_ids: list[str]) -> None:
         """The runner reports these requests' KV in the GPU pool: they run from the next step,
         whose forward pass waits for their copies on every rank."""
+        self.kv.loads_landed(req_ids)
         for req_id in req_ids:
+            self._abandoned_loads.discard(req_id)
             req = self._loading.pop(req_id, None)
             if req is None:  # aborted meanwhile
                 continue
@@ -508,7 +515,7 @@ class Scheduler:
         outputs = [EngineCoreOutput(r.request_id, [], finish_reason="error", error=r.error) for r in self._failed]
         finished, self._failed = self._failed, []
         if runner_out.finished_loads:
-            self._loads_landed(runner_out.finished_loads)
+            self.loads_landed(runner_out.finished_loads)
         index = {req_id: i for i, req_id in enumerate(runner_out.req_ids)}
         if sched_out.structured_output_request_ids:
             self._advance_grammars(sched_out, runner_out, index)

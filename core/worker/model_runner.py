@@ -460,6 +460,14 @@ class ModelRunner:
             out.finished_loads = done
         return out
 
+    def poll_loads(self) -> list[str]:
+        """Loads from the KV tier that have landed since the last report, without waiting
+        (the engine asks before it schedules, so a load that lands mid-step is not a step
+        late; a copier of plugin API 2.17 reports nothing here)."""
+        if self.kv_copier is None:
+            return []
+        return self.kv_copier.finished_loads(wait=False) or []
+
     def _collect(self, pending: PendingStep) -> ModelRunnerOutput:
         if self._in_flight is pending:
             self._in_flight = None  # the next step finds all of its inputs on the host

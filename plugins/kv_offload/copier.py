@@ -4,20 +4,27 @@ The tier is one host tensor for all layers, block-major (``[num_blocks, num_laye
 whatever the GPU layout, so that a block is one contiguous run of bytes), pinned when the GPU
 cache is on CUDA. On the CPU the two tiers are two tensors and the copies take the same path.
 
-On CUDA every copy runs on a side stream, in step order. A step's copies start once the
-steps before it have been queued (they may still be writing the KV a swap-out reads), and
-the forward pass waits for them only when it needs them::
+On CUDA the copies run on two side streams of the highest priority, each in step order:
+swap-outs (GPU -> tier) on one, loads (tier -> GPU) on the other, so that a step's spills
+never queue behind other requests' loads. The forward pass waits for them only where it
+needs them::
 
-    side stream:     |-- step N's swap-outs --|-- load A --|-- load B --|
-    compute stream:  .. step N-1 ..|(wait, if N rewrites a block swapped out)| step N ...
-                                                 ... step M (waits: A) |(wait A)| A's prefill
+    out stream:      |- step N's swap-outs -|              |- N+1's -|
+    load stream:          (after N's swap-outs) |-- load A --|-- load B --|
+    compute stream:  .. N-1 ..|(wait if N rewrites a block swapped out)| step N | N+1 ...
+                                            ... step M (waits: A) |(wait A)| A's prefill
 
 A swap-out whose GPU blocks step N does not rewrite overlaps step N's forward; the first
 later step that allocates one of those blocks waits for it. A load (a request's blocks read
 back from the tier) holds no step up: each request's load records an event, polled by
 ``finished_loads``; the scheduler schedules the request once it is reported, and names it in
-that step's ``waits``, whose forward pass then waits for the event on every rank (a no-op
-on the first rank, which reported it done; another rank's copy may lag).
+that step's ``waits``, whose forward pass (and later swap-outs) then wait for the event on
+every rank (a no-op on the first rank, which reported it; another rank's copy may lag).
+
+Ordering between the two: a load starts after the swap-outs queued before it (it may read a
+tier block one writes, or write a GPU block one reads, in the same step); a swap-out never
+overwrites a tier block a queued load reads (the tier holds a load's sources until it is
+reported landed, and the swap-outs after that wait for the load's event).
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ from pagelm.worker.step_state import host_sync_point
 
 # What one batch of copies stages on the device at most (a run of blocks longer than this is
 # split): the staging buffer is allocated per batch, outside the KV cache's memory budget.
-STAGING_BYTES = 64 << 20
+# Each batch costs a gather or scatter kernel per layer: at 64 MiB (32 blocks of an 8B model)
+# queueing a chat turn's 119-block load took the host milliseconds.
+STAGING_BYTES = 256 << 20
 
 
 class CPUCopier(KVCopier):
@@ -54,7 +63,11 @@ class CPUCopier(KVCopier):
         self.cpu_cache = torch.empty((num_blocks, len(kv_caches), *layer_shape), dtype=kv_caches[0].dtype, pin_memory=cuda)
         block_bytes = self.cpu_cache[0].numel() * self.cpu_cache.element_size()
         self.blocks_per_batch = max(1, STAGING_BYTES // block_bytes)
-        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        # Highest priority: with the default, a load's scatter kernels waited behind the
+        # forward passes, and turns waited a second for loads of a few milliseconds.
+        priority = min(torch.cuda.Stream.priority_range()) if cuda else 0
+        self.stream = torch.cuda.Stream(self.device, priority=priority) if cuda else None
+        self.load_stream = torch.cuda.Stream(self.device, priority=priority) if cuda else None
         self.copied = torch.cuda.Event() if cuda else None  # after the last step's swap-outs
         # GPU blocks read by queued swap-outs that no forward pass has waited for yet.
         self._unwaited: set[int] = set()
@@ -73,17 +86,22 @@ class CPUCopier(KVCopier):
         if transfers:
             for req_id in transfers.waits:
                 event = self._load_events.pop(req_id, None)
-                if event is not None:
-                    current.wait_event(event)  # on the device: the host goes on
-            if transfers.swap_out or transfers.swap_in:
+                if event is not None:  # on the device: the host goes on
+                    current.wait_event(event)
+                    self.stream.wait_event(event)  # its sources and blocks may be reused now
+            if transfers.swap_out:
                 self.stream.wait_stream(current)  # KV written by the steps queued before this one
                 with torch.cuda.stream(self.stream):
-                    if transfers.swap_out:
-                        self._copy_out(transfers.swap_out)
-                        self.copied.record(self.stream)
-                        self._unwaited.update(gpu for gpu, _ in transfers.swap_out)
-                    if self._copy_in(transfers):  # swap-ins nobody named: this step reads them
-                        current.wait_stream(self.stream)
+                    self._copy_out(transfers.swap_out)
+                self.copied.record(self.stream)
+                self._unwaited.update(gpu for gpu, _ in transfers.swap_out)
+            if transfers.swap_in:
+                self.load_stream.wait_stream(current)  # its blocks' last writers, in flight
+                self.load_stream.wait_stream(self.stream)  # swap-outs queued before it
+                with torch.cuda.stream(self.load_stream):
+                    unnamed = self._copy_in(transfers)
+                if unnamed:  # swap-ins no load names: this step reads them
+                    current.wait_stream(self.load_stream)
         if self._unwaited and not self._unwaited.isdisjoint(_new_block_ids(sched)):
             current.wait_event(self.copied)
             self._unwaited.clear()
@@ -109,9 +127,9 @@ class CPUCopier(KVCopier):
             self._copy_in_blocks(transfers.swap_in[start : start + n])
             start += n
             event = None
-            if self.stream is not None:
+            if self.load_stream is not None:
                 event = torch.cuda.Event()
-                event.record(self.stream)
+                event.record(self.load_stream)
                 self._load_events[req_id] = event
             self._pending.append((req_id, event))
         self._copy_in_blocks(transfers.swap_in[start:])

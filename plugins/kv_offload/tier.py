@@ -8,7 +8,8 @@ recently used free block first. A lookup walks the GPU pool's map, then this one
 hash". Who holds a tier block::
 
     a swapped-out request       (its blocks, until it is loaded back, finishes or aborts)
-    this step's loads           (the copies' sources, until the step's copies are queued)
+    a load                      (its copies' sources, until the runner reports it landed:
+                                 a spill must not overwrite a block a queued load reads)
     nobody: free, maybe cached  (a spilled or once-swapped prefix block, evicted LRU)
 """
 
@@ -34,11 +35,11 @@ class CPUTier(KVOffloadTier):
         self.swapped: dict[str, tuple[list[KVCacheBlock], int]] = {}
         self._transfers = KVTransfers()
         # This step: GPU block id -> the tier block it is loaded from (its KV, until the copy
-        # runs, is still only there); tier blocks held until the step's copies are queued;
-        # GPU blocks evicted from the prefix cache, to spill once the step is decided.
+        # runs, is still only there); GPU blocks evicted from the prefix cache, to spill once
+        # the step is decided. And the tier blocks each queued load reads, until it lands.
         self._loading: dict[int, KVCacheBlock] = {}
-        self._held: list[KVCacheBlock] = []
         self._spills: list[tuple[int, BlockHash]] = []
+        self._load_sources: dict[str, list[KVCacheBlock]] = {}
         self._stats = KVOffloadStats(num_blocks=num_blocks, block_bytes=block_bytes)
 
     # ---- lookups -------------------------------------------------------------------------
@@ -99,13 +100,13 @@ class CPUTier(KVOffloadTier):
         if entry is not None:
             sources = entry[0]
             assert start_block == 0 and len(sources) == len(block_ids), "a swapped request loads all its blocks"
-            self._held.extend(sources)  # the request's references, dropped once the copies are queued
+            # the request's references, kept by the load until it lands
         else:
             hashes = request.block_hashes[start_block : start_block + len(block_ids)]
             sources = [self.pool.cached_blocks[h] for h in hashes]
             self.pool.touch(sources)
-            self._held.extend(sources)
             self._stats.hit_blocks += len(sources)
+        self._load_sources.setdefault(request.request_id, []).extend(sources)
         for src, dst in zip(sources, block_ids):
             self._transfers.swap_in.append((src.block_id, dst))
             self._loading[dst] = src
@@ -126,17 +127,20 @@ class CPUTier(KVOffloadTier):
             self.pool.free_blocks(reversed(entry[0]))
 
     def take_transfers(self) -> KVTransfers | None:
-        """Spills first (the loads are settled), then let go of this step's sources: a tier
-        block freed now is rewritten only by a later step's copies, which run after these."""
+        """Spills, once the step's loads have claimed their sources."""
         for block_id, block_hash in self._spills:
             self._spill_now(block_id, block_hash)
         out = self._transfers if self._transfers else None
         self._transfers = KVTransfers()
         self._spills.clear()
         self._loading.clear()
-        self.pool.free_blocks(self._held)
-        self._held = []
         return out
+
+    def loads_landed(self, request_ids) -> None:
+        """Let go of these loads' sources: a later spill may now overwrite them (every rank's
+        swap-outs wait for its own copy of a load the scheduler names in ``waits``)."""
+        for req_id in request_ids:
+            self.pool.free_blocks(self._load_sources.pop(req_id, ()))
 
     def _spill_now(self, block_id: int, block_hash: BlockHash) -> None:
         cached = self.pool.get_cached_block(block_hash)
@@ -155,8 +159,9 @@ class CPUTier(KVOffloadTier):
 
     def reset(self) -> None:
         self._transfers, self._spills, self._loading = KVTransfers(), [], {}
-        self.pool.free_blocks(self._held)
-        self._held = []
+        for sources in self._load_sources.values():
+            self.pool.free_blocks(sources)
+        self._load_sources = {}
         self.pool.reset_prefix_cache()
 
     def stats(self) -> KVOffloadStats:
