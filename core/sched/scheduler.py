@@ -234,7 +234,8 @@ class Scheduler:
                 out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:num_drafts]
 
     def _schedule_waiting(self, out: SchedulerOutput, step: "_StepState") -> None:
-        """Admit waiting requests in policy order. When the head does not fit (KV blocks or
+        """Admit waiting requests in policy order; one with KV in the second tier is admitted
+        to load it, and scheduled once it lands. When the head does not fit (KV blocks or
         ``max_num_seqs``) the policy may name a running request to preempt for it."""
         while len(self.waiting) and step.budget > 0:
             req = self.waiting.peek()
@@ -248,23 +249,19 @@ class Scheduler:
             if num_hit_tokens > len(hits) * self.kv.block_size:  # KV in the second tier
                 if self._start_load(req, hits, num_hit_tokens):
                     continue
-                victim = self._victim_for_waiting(req)
-                if victim is None:
+            else:
+                chunk = self._plan_chunk(req, num_hit_tokens, step)
+                if chunk is None:
                     break
-                self._preempt(victim, out, step)
-                continue
-            chunk = self._plan_chunk(req, num_hit_tokens, step)
-            if chunk is None:
-                break
-            num_new, encodes, partial = chunk
-            if len(self.running) + len(self._loading) < self.config.max_num_seqs:
-                lookahead = self._num_lookahead(req, num_hit_tokens + num_new, partial)
-                if self.kv.allocate_slots(req, num_new, lookahead, hits, num_hit_tokens) is not None:
-                    self._admit(req, num_hit_tokens, out)
-                    if encodes is not None:
-                        self.encoder_cache.commit(req, encodes)
-                    step.book(req, num_new, partial, out)
-                    continue
+                num_new, encodes, partial = chunk
+                if len(self.running) + len(self._loading) < self.config.max_num_seqs:
+                    lookahead = self._num_lookahead(req, num_hit_tokens + num_new, partial)
+                    if self.kv.allocate_slots(req, num_new, lookahead, hits, num_hit_tokens) is not None:
+                        self._admit(req, num_hit_tokens, out)
+                        if encodes is not None:
+                            self.encoder_cache.commit(req, encodes)
+                        step.book(req, num_new, partial, out)
+                        continue
             victim = self._victim_for_waiting(req)
             if victim is None:
                 break
