@@ -85,29 +85,32 @@ def test_swap_with_loads_landing_late_gives_the_unpreempted_tokens(llama_dir, pl
     assert stats.num_free_blocks == stats.num_blocks
 
 
+def chat(llm: LLM, num_conversations: int, num_turns: int, max_tokens: int, seed: int) -> list[list[int]]:
+    """Each turn of every conversation sent after the previous turn's answers, the whole
+    conversation so far as the prompt: by the time a conversation comes back the others may
+    have pushed its prefix out of a small GPU pool. Returns every answer, in order."""
+    rng = random.Random(seed)
+    turns = [[[rng.randrange(5, 250) for _ in range(12)] for _ in range(num_turns)] for _ in range(num_conversations)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    history, replies = [[] for _ in turns], []
+    for t in range(num_turns):
+        for c, conv in enumerate(turns):
+            history[c] += conv[t]
+        outs = llm.generate([{"prompt_token_ids": list(h)} for h in history], params, use_tqdm=False)
+        for c, o in enumerate(outs):
+            history[c] += list(o.outputs[0].token_ids)
+            replies.append(list(o.outputs[0].token_ids))
+    return replies
+
+
 def test_prefix_hits_in_the_tier_landing_late_give_the_plain_tokens(llama_dir, slow_tier):
     """Conversations whose earlier turns left the GPU pool: their prefixes come back from the
     tier, late, while other conversations' turns run."""
-    rng = random.Random(0)
-    turns = [[[rng.randrange(5, 250) for _ in range(12)] for _ in range(3)] for _ in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-
-    def chat(**kw):
-        llm = LLM(str(llama_dir), device="cpu", max_model_len=MAX_MODEL_LEN, block_size=BS, **kw)
-        history = [[] for _ in turns]
-        replies = []
-        for t in range(3):
-            for c, conv in enumerate(turns):
-                history[c] += conv[t]
-            outs = llm.generate([{"prompt_token_ids": list(h)} for h in history], params, use_tqdm=False)
-            for c, o in enumerate(outs):
-                history[c] += list(o.outputs[0].token_ids)
-                replies.append(list(o.outputs[0].token_ids))
-        return replies, llm.engine.core
-
-    plain_replies, _ = chat(enable_prefix_caching=False)
-    got, core = chat(num_kv_blocks=24, num_cpu_blocks=96, kv_offload="slow_cpu")
-    assert got == plain_replies
+    args = dict(device="cpu", max_model_len=MAX_MODEL_LEN, block_size=BS)
+    plain_replies = chat(LLM(str(llama_dir), enable_prefix_caching=False, **args), 4, 3, 4, seed=0)
+    llm = LLM(str(llama_dir), num_kv_blocks=24, num_cpu_blocks=96, kv_offload="slow_cpu", **args)
+    assert chat(llm, 4, 3, 4, seed=0) == plain_replies
+    core = llm.engine.core
     assert core.kv_cache_manager.offload.stats().hit_blocks > 0
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_blocks
 
@@ -248,25 +251,15 @@ def test_loads_on_cuda_give_the_plain_tokens(llama_dir, async_scheduling):
     run, each request scheduled once its event has fired, on the real CUDA copier."""
     args = dict(device="cuda", dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=BS,
                 async_scheduling=async_scheduling)
-    rng = random.Random(1)
-    turns = [[[rng.randrange(5, 250) for _ in range(12)] for _ in range(3)] for _ in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
-    def chat(**kw):
+    def run(**kw):
         llm = LLM(str(llama_dir), **args, **kw)
-        history, replies = [[] for _ in turns], []
-        for t in range(3):
-            for c, conv in enumerate(turns):
-                history[c] += conv[t]
-            outs = llm.generate([{"prompt_token_ids": list(h)} for h in history], params, use_tqdm=False)
-            for c, o in enumerate(outs):
-                history[c] += list(o.outputs[0].token_ids)
-                replies.append(list(o.outputs[0].token_ids))
+        replies = chat(llm, 6, 3, 6, seed=1)
         swapped = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         return replies, [list(o.outputs[0].token_ids) for o in swapped], llm.engine.core
 
-    plain_replies, plain_swapped, _ = chat(num_kv_blocks=512)
-    replies, swapped, core = chat(num_kv_blocks=30, num_cpu_blocks=256, preemption_mode="swap")
+    plain_replies, plain_swapped, _ = run(num_kv_blocks=512)
+    replies, swapped, core = run(num_kv_blocks=30, num_cpu_blocks=256, preemption_mode="swap")
     assert replies == plain_replies and swapped == plain_swapped
     stats = core.kv_cache_manager.offload.stats()
     assert stats.hit_blocks > 0 and stats.num_swap_preemptions > 0
