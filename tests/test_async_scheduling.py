@@ -25,6 +25,7 @@ from pagelm.plugins.spec_decode.ngram import NgramProposer
 from pagelm.request import Request, RequestStatus
 from pagelm.sched.scheduler import Scheduler
 from pagelm.plugins.spec_decode import DraftProposer
+from pagelm.spec_decode import DeviceDrafts
 from pagelm.worker.output import ModelRunnerOutput
 from spec_helpers import count_launches, registered_proposer
 
@@ -309,7 +310,8 @@ def recorded_proposals(proposer) -> dict[tuple[str, int], list[int]]:
 
     def recording(batch):
         drafts = propose(batch)
-        for req_id, num_tokens, d in zip(batch.req_ids, batch.num_tokens.tolist(), drafts):
+        lists = drafts.tolist() if isinstance(drafts, DeviceDrafts) else drafts
+        for req_id, num_tokens, d in zip(batch.req_ids, batch.num_tokens.tolist(), lists):
             if d:
                 seen[(req_id, num_tokens)] = list(d)
         return drafts

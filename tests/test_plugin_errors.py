@@ -8,7 +8,9 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
+import torch
 from huggingface_hub import constants
 
 from pagelm import LLM, SamplingParams, hookimpl
@@ -16,6 +18,7 @@ from pagelm.plugin_manager import PluginLoadError, PluginManager, get_plugin_man
 from pagelm.registry import PluginError
 from pagelm.sched.policy import SchedulingPolicy
 from pagelm.plugins.spec_decode import DraftProposer
+from pagelm.spec_decode import DeviceDrafts
 from test_plugins import install_fake_distribution, plugin_declaring
 
 
@@ -58,10 +61,34 @@ class FloatIds(DraftProposer):
         return [[5.0] * int(m) for m in batch.max_num_drafts]
 
 
+class DeviceOutOfVocabulary(DraftProposer):
+    name = "device_out_of_vocabulary"
+
+    def propose(self, batch):
+        return DeviceDrafts(torch.full((batch.num_reqs, 2), 10**6), batch.max_num_drafts)
+
+
+class DeviceWrongRows(DraftProposer):
+    name = "device_wrong_rows"
+
+    def propose(self, batch):
+        return DeviceDrafts(torch.zeros((batch.num_reqs + 1, 2), dtype=torch.long), np.zeros(batch.num_reqs + 1, dtype=np.int64))
+
+
+class DeviceFloatIds(DraftProposer):
+    name = "device_float_ids"
+
+    def propose(self, batch):
+        return DeviceDrafts(torch.zeros((batch.num_reqs, 2)), batch.max_num_drafts)
+
+
 class Plugins:
     @hookimpl
     def pagelm_register_proposers(self, registry):
-        for proposer in (OutOfVocabulary, ReturnsNone, NegativeIds, OneIntPerRequest, FloatIds):
+        for proposer in (
+            OutOfVocabulary, ReturnsNone, NegativeIds, OneIntPerRequest, FloatIds, DeviceOutOfVocabulary, DeviceWrongRows,
+            DeviceFloatIds,
+        ):
             registry.add(proposer.name, proposer)
 
 
@@ -107,6 +134,11 @@ def test_a_registration_hook_that_raises_is_named():
     ("negative_ids", r"draft ids outside the vocabulary \[0, \d+\): \[-1, -1\]"),
     ("one_int_per_request", r"returned a draft that is not a list of token ids: \[5\]"),
     ("float_ids", r"draft ids that are not integers: \[5\.0, 5\.0\]"),
+    # Drafts left on the device: their ids are checked when they reach the host, with the next
+    # step's verification (clamped into the vocabulary on the device before it).
+    ("device_out_of_vocabulary", r"draft ids outside the vocabulary \[0, \d+\): \[1000000, 1000000\]"),
+    ("device_wrong_rows", r"returned DeviceDrafts whose token_ids must be a \[1, width\] tensor, got torch.Size\(\[2, 2\]\)"),
+    ("device_float_ids", r"returned DeviceDrafts whose token_ids must hold integers, got torch.float32"),
 ])
 def test_a_proposer_returning_bad_drafts_is_named(llama_dir, registered, method, problem):
     registered(Plugins(), "test-bad-proposers")

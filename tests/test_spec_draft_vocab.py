@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from pagelm import LLM, SamplingParams
+from pagelm.spec_decode import DeviceDrafts
 from pagelm.cli import main
 from pagelm.plugins.spec_decode.draft_vocab import DraftLMHead, check_draft_vocab
 from pagelm.plugins.spec_decode.eagle_train import (
@@ -52,7 +53,8 @@ def _run_recording_drafts(target, spec, prompts=PROMPTS, params=GREEDY):
 
         def recording(batch):
             drafts = propose(batch)
-            drafted.extend(t for d in drafts for t in d)
+            lists = drafts.tolist() if isinstance(drafts, DeviceDrafts) else drafts
+            drafted.extend(t for d in lists for t in d)
             return drafts
 
         proposer.propose = recording

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from pagelm import LLM, SamplingParams
+from pagelm.spec_decode import DeviceDrafts
 from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
 from pagelm.plugins.spec_decode import eagle as eagle_proposer
 from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs
@@ -299,7 +300,8 @@ def _proposals_with_and_without_graphs(model, config, graphs_state):
 
         def recording_propose(batch, propose=propose, seen=seen):
             drafts = propose(batch)
-            seen.append(drafts)
+            # Read now: a graph's drafts are a view of its output, which the next replay rewrites.
+            seen.append(drafts.tolist() if isinstance(drafts, DeviceDrafts) else drafts)
             return drafts
 
         proposer.propose = recording_propose

@@ -21,6 +21,18 @@ How to draft (which requests, how many, adaptive back-off, a token history) is t
 ``pagelm.plugins.spec_decode.DraftProposer`` does it for any proposer that implements
 ``propose(batch)`` over a ``ProposalBatch`` (the built-in ``ngram`` and ``eagle`` do).
 
+A proposer whose drafts are made on the device may return them there (``DeviceDrafts``,
+plugin API 2.19): the engine then does not wait for them. They go into the next step's
+verification by a device copy, and reach the host with that step's verified tokens, so the
+host schedules and stages the next step while the drafting runs::
+
+    host    verify t sync | stage drafting | schedule t+1, stage verify t+1 | ... sync
+    device  [verify t]      [drafting t ............][verify t+1 ..........]
+
+The engine keeps them on the device when nothing on the host must read them first (one
+GPU, no guided request, no penalty reading the drafts as output history); otherwise it
+reads them at once, as it reads lists.
+
 Version 1 had ``propose(ProposalBatch)``, the drafting and ``ProposalBatch`` here;
 ``docs/plugins.md`` has the migration note.
 """
@@ -117,6 +129,25 @@ class FinishedStep:
     @property
     def num_reqs(self) -> int:
         return len(self.requests)
+
+
+@dataclass
+class DeviceDrafts:
+    """Drafts left on the device (plugin API 2.19): request ``i``'s are
+    ``token_ids[i, :num_drafts[i]]``. ``token_ids`` is an integer tensor on the target's
+    device with one row per request of the step; the engine copies what it keeps before it
+    launches anything else, so it may be a view of a graph's output buffer. Ids outside the
+    vocabulary are reported (``PluginError``) when the drafts reach the host with the next
+    step's verification, and clamped into it on the device before that step reads them."""
+
+    token_ids: torch.Tensor  # [n, width]
+    num_drafts: np.ndarray  # [n], each <= width
+
+    def tolist(self) -> list[list[int]]:
+        """The drafts as host lists (waits for the device)."""
+        width = int(self.num_drafts.max()) if len(self.num_drafts) else 0
+        rows = self.token_ids[:, :width].tolist() if width else [[] for _ in range(len(self.num_drafts))]
+        return [row[:c] for row, c in zip(rows, self.num_drafts.tolist())]
 
 
 @dataclass(frozen=True)
@@ -234,9 +265,10 @@ class Proposer(ABC):
         return []
 
     @abstractmethod
-    def propose_step(self, step: FinishedStep) -> list[list[int]]:
+    def propose_step(self, step: FinishedStep) -> "list[list[int]] | DeviceDrafts":
         """Draft token ids for the next step, for every request of ``step`` in its order
-        (``[]``: no drafts; all ``[]`` when ``step.ahead``). Called once per step, after
+        (``[]``: no drafts; all ``[]`` when ``step.ahead``), as host lists or, made on the
+        device, as ``DeviceDrafts`` (2.19), which the engine need not wait for. Called once per step, after
         verification: every step, unless ``needs_every_step`` is False (then steps the engine
         runs ahead are handed over with ``ahead`` set, after the fact)."""
 
@@ -256,21 +288,51 @@ class Proposer(ABC):
         return True
 
 
+def proposer_name(proposer: Proposer) -> str:
+    """How errors name a proposer: its registered name and its class."""
+    return f"proposer {proposer.name!r} ({type(proposer).__module__}.{type(proposer).__qualname__})"
+
+
 def checked_drafts(proposer: Proposer, drafts: Any, n: int, vocab_size: int) -> list[list[int]]:
     """``drafts`` as one list of token ids per request, or a ``PluginError`` naming the
     proposer and what is wrong (a few ints per request, checked in one numpy pass)."""
-    who = f"proposer {proposer.name!r} ({type(proposer).__module__}.{type(proposer).__qualname__})"
+    who = proposer_name(proposer)
     if not isinstance(drafts, (list, tuple)) or len(drafts) != n:
         got = f"{len(drafts)} lists" if isinstance(drafts, (list, tuple)) else repr(drafts)[:80]
         raise PluginError(f"{who}: propose() must return one list of draft ids per request ({n}), got {got}")
     if not all(isinstance(d, (list, tuple, np.ndarray)) for d in drafts):
         raise PluginError(f"{who}: propose() returned a draft that is not a list of token ids: {drafts!r:.200}")
     drafts = [list(d) for d in drafts]
-    flat = [t for d in drafts for t in d]
-    if flat:
-        ids = np.asarray(flat)
-        if ids.ndim != 1 or ids.dtype.kind not in "iu":
-            raise PluginError(f"{who}: propose() returned draft ids that are not integers: {flat[:16]!r:.200}")
-        if ids.min() < 0 or ids.max() >= vocab_size:
-            raise PluginError(f"{who}: propose() returned draft ids outside the vocabulary [0, {vocab_size}): {flat[:16]}")
+    check_draft_ids(proposer, [t for d in drafts for t in d], vocab_size)
     return drafts
+
+
+def check_draft_ids(proposer: Proposer, flat: Sequence[int], vocab_size: int) -> None:
+    """A ``PluginError`` naming the proposer unless every id of ``flat`` is an in-vocabulary int."""
+    if not len(flat):
+        return
+    ids = np.asarray(flat)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise PluginError(f"{proposer_name(proposer)}: propose() returned draft ids that are not integers: {list(flat[:16])!r:.200}")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise PluginError(
+            f"{proposer_name(proposer)}: propose() returned draft ids outside the vocabulary [0, {vocab_size}): {list(flat[:16])}"
+        )
+
+
+def checked_device_drafts(proposer: Proposer, drafts: DeviceDrafts, n: int, device: torch.device) -> DeviceDrafts:
+    """``drafts`` if its shapes are what ``DeviceDrafts`` says (its ids are checked when they
+    reach the host), else a ``PluginError`` naming the proposer."""
+    ids, counts = drafts.token_ids, np.asarray(drafts.num_drafts)
+    problem = None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != n:
+        problem = f"token_ids must be a [{n}, width] tensor, got {getattr(ids, 'shape', type(ids).__name__)}"
+    elif ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        problem = f"token_ids must hold integers, got {ids.dtype}"
+    elif ids.device.type != device.type:
+        problem = f"token_ids must be on {device}, got {ids.device}"
+    elif counts.shape != (n,) or counts.dtype.kind not in "iu" or (n and (counts.min() < 0 or counts.max() > ids.shape[1])):
+        problem = f"num_drafts must be [{n}] ints within [0, {ids.shape[1]}], got {counts!r:.120}"
+    if problem is not None:
+        raise PluginError(f"{proposer_name(proposer)}: propose() returned DeviceDrafts whose {problem}")
+    return DeviceDrafts(ids, counts.astype(np.int64))

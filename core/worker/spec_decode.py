@@ -23,7 +23,10 @@ drafts at all is plain decode (the one-token graphs). The proposer runs after ve
 (it may replay graphs of its own, ``Proposer.capture_cuda_graphs``: EAGLE's drafting
 passes): it gets the step as a ``FinishedStep``
 (``pagelm.spec_decode.proposer``) and says which requests draft how many tokens; the engine
-checks what it returns.
+checks what it returns. Drafts it leaves on the device (``DeviceDrafts``) stay there
+(``pagelm.worker.draft_store``) when nothing on the host must read them before the next
+verification: that step takes them by a device copy, and the host waits for the drafting
+only with the verification itself.
 """
 
 from __future__ import annotations
@@ -41,14 +44,17 @@ from pagelm.sample import RejectionSampler
 from pagelm.sample.sampler import LogprobsTensors
 from pagelm.sampling_params import num_logprobs
 from pagelm.spec_decode.proposer import (
+    DeviceDrafts,
     DraftGraphSetup,
     FinishedStep,
     Proposer,
     TargetPass,
+    checked_device_drafts,
     checked_drafts,
     decode_attention_metadata,
 )
 from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner, capture_sizes
+from pagelm.worker.draft_store import DEFERRED, DraftStore
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
 from pagelm.worker.pending_step import logprobs_lists
 from pagelm.worker.sampling_inputs import build_sampling_metadata, to_device
@@ -116,6 +122,7 @@ class SpecDecodeRunner:
         self.keeps_launched_steps = drafts_from_last_stage and proposer is not None
         self.rejection_sampler = RejectionSampler()
         self.graphs: CudaGraphRunner | None = None  # verification graphs (CUDA only)
+        self.store: DraftStore | None = None  # drafts kept on the device (made at the first)
 
     # ---- verification graphs -------------------------------------------------------------
     def capture_cuda_graphs(self, runner, pool: tuple[int, int] | None) -> None:
@@ -177,17 +184,34 @@ class SpecDecodeRunner:
         seq_lens = np.asarray(starts, dtype=np.int64) + np.asarray(counts, dtype=np.int64)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
         table_rows = runner.block_table_cpu[rows, : cdiv(int(seq_lens.max()), runner.block_size)]
+        deferred = tokens == DEFERRED
+        if deferred.any():
+            tokens[deferred] = PAD_TOKEN  # filled on the device after the upload
         if not graphs.load(tokens.reshape(-1), seq_lens, table_rows, size):
             return None
+        if deferred.any():
+            self._fill_deferred(graphs.input_ids, np.flatnonzero(deferred.reshape(-1)), rows, drafts)
         common = graphs.common_metadata(n, torch.from_numpy(seq_lens.astype(np.int32)))
         common.block_table_cpu = torch.from_numpy(table_rows)
         return VerifyGraphStep(size, q, common, graphs.input_ids[: n * q], graphs.positions[: n * q])
 
+    def _fill_deferred(self, input_ids: torch.Tensor, targets: np.ndarray, rows: np.ndarray, drafts) -> None:
+        """Write the drafts kept on the device into ``input_ids`` at flat ``targets`` (each
+        deferred request's draft slots, in request order)."""
+        counts = np.fromiter((len(d) if len(d) and d[0] == DEFERRED else 0 for d in drafts), dtype=np.int64, count=len(drafts))
+        sources = self.store.sources(rows, counts)
+        index = torch.from_numpy(np.concatenate([targets, sources])).to(input_ids.device, non_blocking=True)
+        input_ids[index[: len(targets)]] = self.store.gather(index[len(targets) :])
+
     # ---- verification --------------------------------------------------------------------
     def execute(self, runner, sched, req_ids, states, starts, counts, drafts) -> ModelRunnerOutput:
         """Forward pass, verification and proposal for a step where some requests carry drafts."""
+        req_rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        deferred = self.store is not None and DraftStore.is_deferred(drafts)
         step = self._graph_step(runner, states, starts, counts, drafts)
         if step is None:
+            if deferred:  # an eager step reads its drafts on the host: wait for them now
+                drafts, deferred = self.store.resolve(self.proposer, drafts, req_rows), False
             step = runner.prepare_inputs(states, starts, counts, drafts=drafts)
         graph_out = None
         if isinstance(step, VerifyGraphStep):  # launched first: the host work below overlaps it
@@ -222,6 +246,8 @@ class SpecDecodeRunner:
             # prefix of its drafts. The rejection sampler then verifies against masked logits.
             runner.apply_grammar(logits, sched, req_ids, rows_of=row_start.tolist())
         with host_sync_point():  # the verified tokens (and logprobs) come to the host
+            if deferred:  # the drafting ran before this step on the device: its drafts are in
+                drafts = self.store.resolve(self.proposer, drafts, req_rows)
             if runner.pipeline is None:
                 verified = self.rejection_sampler(logits, md, [list(d) for d in drafts], runner.generator)
                 token_ids, logprobs_t = verified.token_ids, verified.logprobs
@@ -292,13 +318,29 @@ class SpecDecodeRunner:
         )
         if not ahead or self.proposer.needs_ahead_target:
             finished.target = self._target_pass(runner, step, hidden, finished, starts_np, counts_np, out_ids)
-        # The drafts come back to the host (EAGLE's, from the device): the proposal's one sync.
-        with host_sync_point():
+        with host_sync_point():  # a proposer that returns lists reads its drafts on the host
             drafts = self.proposer.propose_step(finished)
+        if isinstance(drafts, DeviceDrafts):
+            drafts = checked_device_drafts(self.proposer, drafts, n, runner.device)
+            if self._may_keep_on_device(runner, states):
+                if self.store is None:
+                    self.store = DraftStore(runner.max_num_reqs, self.num_speculative_tokens, runner.vocab_size, runner.device)
+                return self.store.keep(rows, drafts)
+            with host_sync_point():  # read on the host before the next step: the proposal's one sync
+                drafts = drafts.tolist()
         drafts = checked_drafts(self.proposer, drafts, n, runner.vocab_size)
         if self.drafts_from_last_stage:
             return runner.pipeline.share_drafts(drafts, n, self.num_speculative_tokens)
         return drafts
+
+    def _may_keep_on_device(self, runner, states) -> bool:
+        """Whether drafts may stay on the device until the next verification: nothing on
+        the host reads them before (a guided request's grammar checks its drafts when the
+        scheduler stores them; penalties and bad words read them as output history), and
+        one GPU drafts them (other ranks would verify drafts of their own)."""
+        if runner.pipeline is not None or runner.config.world_size != 1 or self.drafts_from_last_stage:
+            return False
+        return not any(s.sampling_params.guided_decoding is not None or _reads_history(s.sampling_params) for s in states)
 
     @property
     def keeps_steps_in_flight(self) -> bool:

@@ -47,6 +47,7 @@ from pagelm.plugins.bench.presets import DEMO, PRESETS, resolve_bench_model
 from pagelm.plugins.bench.roofline import DecodeCost, decode_avg_context, device_name, measure_copy_bandwidth
 from pagelm.plugins.bench.workload import TokenWorkload
 from pagelm.plugins.engine_args import add_engine_args, engine_kwargs
+from pagelm.spec_decode import DeviceDrafts
 from pagelm.spec_decode.stats import acceptance_rate, mean_acceptance_length
 
 WORKLOADS = ("random", "repeat", "code")
@@ -392,7 +393,14 @@ def reject_all_drafts(llm, vocab_size: int) -> None:
     soon repeats itself, and n-gram drafts for it are right."""
     proposer = llm.engine.core.runner.spec.proposer
     propose = proposer.propose
-    proposer.propose = lambda batch: [[(t + 1) % vocab_size for t in d] for d in propose(batch)]
+
+    def shifted(batch):
+        drafts = propose(batch)
+        if isinstance(drafts, DeviceDrafts):  # shifted where they are
+            return DeviceDrafts((drafts.token_ids + 1) % vocab_size, drafts.num_drafts)
+        return [[(t + 1) % vocab_size for t in d] for d in drafts]
+
+    proposer.propose = shifted
 
 
 def workload_description(args: argparse.Namespace) -> dict:

@@ -32,7 +32,7 @@ import numpy as np
 
 from pagelm.plugins.spec_decode.backoff import DraftBackoff
 from pagelm.plugins.spec_decode.rows import DraftRows
-from pagelm.spec_decode.proposer import FinishedStep, Proposer, RequestView, TargetPass
+from pagelm.spec_decode.proposer import DeviceDrafts, FinishedStep, Proposer, RequestView, TargetPass
 
 _TARGET_FIELDS = tuple(f.name for f in fields(TargetPass))
 
@@ -76,15 +76,16 @@ class DraftProposer(Proposer):
         self.backoff = DraftBackoff(config.max_num_seqs, spec.backoff_after, spec.max_backoff_steps) if spec.adaptive else None
 
     @abstractmethod
-    def propose(self, batch: ProposalBatch) -> list[list[int]]:
+    def propose(self, batch: ProposalBatch) -> list[list[int]] | DeviceDrafts:
         """Draft token ids for every request of ``batch``, in its order: at most
-        ``batch.max_num_drafts[i]`` for request ``i`` (``[]``: no drafts). Called once per
+        ``batch.max_num_drafts[i]`` for request ``i`` (``[]``: no drafts), as host lists or,
+        made on the device, as ``DeviceDrafts`` (the engine need not wait for them). Called once per
         step, after verification, for every step (also those with nothing to draft, so a
         draft model can keep its KV cache in step with the target's), unless
         ``needs_every_step`` and ``needs_ahead_target`` are both False. A step run ahead
         comes with every ``max_num_drafts`` 0."""
 
-    def propose_step(self, step: FinishedStep) -> list[list[int]]:
+    def propose_step(self, step: FinishedStep) -> list[list[int]] | DeviceDrafts:
         rows, n = step.rows, step.num_reqs
         fresh = self.rows.claim(step.requests)
         if self.backoff is not None:
@@ -108,10 +109,17 @@ class DraftProposer(Proposer):
             extra_args=[s.sampling_params.extra_args for s in step.requests],
         )
         proposal = self.propose(batch)
-        drafts = _cut(proposal, max_drafts)
-        if drafts is None:  # malformed: the engine rejects it with an error naming this proposer
-            return proposal
-        found = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=n)
+        if isinstance(proposal, DeviceDrafts):
+            counts = np.asarray(proposal.num_drafts)
+            if counts.shape != (n,):  # malformed: the engine rejects it with an error naming this proposer
+                return proposal
+            drafts = DeviceDrafts(proposal.token_ids, np.minimum(counts, max_drafts))
+            found = drafts.num_drafts
+        else:
+            drafts = _cut(proposal, max_drafts)
+            if drafts is None:  # malformed: the engine rejects it with an error naming this proposer
+                return proposal
+            found = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=n)
         self.rows.proposed[rows] = found
         if self.backoff is not None:  # asked and found nothing: a miss, as a rejected draft is
             empty = (max_drafts > 0) & (found == 0)

@@ -21,8 +21,9 @@ only those rows of the target's LM head are read).
 Pass 1 runs eagerly (its shape is the step's). With CUDA graphs, passes ``2..k`` replay one
 graph per padded batch of drafting requests (``eagle_graphs``: the chain of passes in one
 launch); on the CPU, with ``enforce_eager`` and for batches above ``MAX_DRAFT_GRAPH_BATCH``
-they run eagerly, one pass at a time over the requests still drafting. Either way the one
-host sync of a proposal is the drafts' copy to the host.
+they run eagerly, one pass at a time over the requests still drafting. Either way the
+drafts stay on the device (``DeviceDrafts``): the engine copies them into the next
+verification there, and the host reads them with that verification's tokens.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ from pagelm.plugin_manager import get_plugin_manager
 from pagelm.plugins.spec_decode.draft_vocab import DRAFT_VOCAB_TENSOR, DraftLMHead, check_draft_vocab
 from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs, replays_without_host_planning, uniform_query_len
-from pagelm.spec_decode import DraftGraphSetup
+from pagelm.spec_decode import DeviceDrafts, DraftGraphSetup
 
-PAGELM_PLUGIN_API = "2.18"
+PAGELM_PLUGIN_API = "2.19"
 
 logger = logging.getLogger("pagelm")
 
@@ -158,9 +159,11 @@ class EagleProposer(DraftProposer):
             out = self._replay_passes(batch, want, caps, hidden, tokens, size)
         else:
             out = self._eager_passes(batch, want, caps, hidden, tokens)
-        for i, row, cap in zip(want.tolist(), out[: len(want), :width].tolist(), caps.tolist()):
-            drafts[i] = row[:cap]
-        return drafts
+        # Left on the device, one row per request of the batch (zeros where it drafts none).
+        ids = out[: len(want), :width]
+        if len(want) < n:
+            ids = torch.zeros((n, width), dtype=out.dtype, device=device).index_copy_(0, _to_device(want, device), ids)
+        return DeviceDrafts(ids, batch.max_num_drafts)
 
     def _step_graph_size(self, batch: ProposalBatch) -> int | None:
         """The captured size for the whole proposal, after a step of ``1 + k`` tokens per
@@ -181,8 +184,7 @@ class EagleProposer(DraftProposer):
         width = int(caps.max())
         if width == 0:  # pass 1 only (the head's KV): nothing to wait for
             return [[] for _ in range(batch.num_reqs)]
-        rows = out[: batch.num_reqs, :width].tolist()
-        return [row[:cap] for row, cap in zip(rows, caps.tolist())]
+        return DeviceDrafts(out[: batch.num_reqs, :width], caps)
 
     def _replay_passes(self, batch, want, caps, hidden, tokens, size: int) -> torch.Tensor:
         """Passes 2..k from the captured graph of ``size`` requests: the drafts ``[size, k]``."""

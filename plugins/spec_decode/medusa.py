@@ -46,7 +46,7 @@ from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 from pagelm.plugins.spec_decode.medusa_graphs import MedusaDraftGraphs
 from pagelm.spec_decode import DraftGraphSetup
 
-PAGELM_PLUGIN_API = "2.18"
+PAGELM_PLUGIN_API = "2.19"
 
 # Drafting is captured for up to this many drafting requests (EAGLE's limit, and the
 # verification graphs').

@@ -1,0 +1,144 @@
+"""Drafts left on the device (``DeviceDrafts``, plugin API 2.19): the engine keeps them in a
+``DraftStore`` until the next verification, and the outputs, the drafts verified and the
+drafts accepted are those of the same drafts returned as host lists."""
+
+import numpy as np
+import pytest
+import torch
+
+from pagelm import LLM, SamplingParams
+from pagelm.sampling_params import GuidedDecodingParams
+from pagelm.plugins.spec_decode import DraftProposer
+from pagelm.spec_decode import DeviceDrafts
+from pagelm.worker.draft_store import DEFERRED, DraftStore
+from pagelm.worker.spec_decode import SpecDecodeRunner
+from spec_helpers import registered_proposer
+
+K = 3
+PREFIX = 6  # the first prompt tokens name a conversation
+
+
+class OracleLists(DraftProposer):
+    """Drafts the plain run's next tokens (``expected``, keyed by the prompt's first tokens),
+    with the last draft wrong at every third position: some drafts accepted, some rejected."""
+
+    name = "oracle_lists"
+    needs_every_step = False
+    expected: dict[tuple, list[int]] = {}
+
+    def drafts(self, batch) -> list[list[int]]:
+        out = []
+        for i, (n, m) in enumerate(zip(batch.num_tokens.tolist(), batch.max_num_drafts.tolist())):
+            full = self.expected[tuple(batch.token_ids[i, :PREFIX].tolist())]
+            d = list(full[n : n + m])
+            if d and n % 3 == 0:
+                d[-1] = 3 if d[-1] != 3 else 4
+            out.append(d)
+        return out
+
+    def propose(self, batch):
+        return self.drafts(batch)
+
+
+class OracleDevice(OracleLists):
+    """The same drafts, left on the device (zero padded)."""
+
+    name = "oracle_device"
+
+    def propose(self, batch):
+        drafts = self.drafts(batch)
+        ids = torch.zeros((batch.num_reqs, K), dtype=torch.long)
+        for i, d in enumerate(drafts):
+            ids[i, : len(d)] = torch.tensor(d, dtype=torch.long)
+        return DeviceDrafts(ids, np.array([len(d) for d in drafts], dtype=np.int64))
+
+
+def prompts():
+    gen = torch.Generator().manual_seed(5)
+    return [{"prompt_token_ids": torch.randint(3, 64, (int(n),), generator=gen).tolist()} for n in (9, 40, 17, 70, 12, 33)]
+
+
+def params(penalty: bool):
+    out = [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 7, 31, 12)
+    ] + [SamplingParams(temperature=0.9, seed=11, max_tokens=25, ignore_eos=True)]
+    last = dict(repetition_penalty=1.3) if penalty else {}
+    return out + [SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True, **last)]
+
+
+def generate(model, ps, method=None, **kw):
+    spec = None if method is None else {"method": method, "num_speculative_tokens": K, "adaptive": False}
+    llm = LLM(str(model), dtype="float32", max_num_seqs=4, max_num_batched_tokens=48, speculative_config=spec, **kw)
+    outs = llm.generate(prompts(), ps, use_tqdm=False)
+    core = llm.engine.core
+    assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks
+    return core, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("penalty", [False, True], ids=["device", "a-penalty-reads-drafts"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_device_drafts_verify_as_the_same_drafts_as_lists(llama_dir, penalty, async_scheduling):
+    model = llama_dir
+    ps = params(penalty)
+    _, plain = generate(model, ps)
+    OracleLists.expected = {tuple(p["prompt_token_ids"][:PREFIX]): p["prompt_token_ids"] + list(o) for p, o in zip(prompts(), plain)}
+    runs = {}
+    for cls in (OracleLists, OracleDevice):
+        with registered_proposer(cls):
+            core, tokens = generate(model, ps, cls.name, async_scheduling=async_scheduling)
+        stats = core.scheduler.spec_decoding_stats
+        runs[cls.name] = (tokens, stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, core.runner.spec.store)
+    assert runs["oracle_lists"][0] == plain and runs["oracle_device"][0] == plain
+    assert runs["oracle_lists"][1:4] == runs["oracle_device"][1:4]
+    _, num_drafts, drafted, accepted, store = runs["oracle_device"]
+    assert 0 < accepted < drafted
+    assert runs["oracle_lists"][4] is None
+    # The penalised request's steps read their drafts on the host; the others' stay on the device.
+    assert store is not None
+
+
+def test_a_guided_request_reads_its_drafts_on_the_host(llama_dir):
+    model = llama_dir
+    ps = params(False)
+    _, plain = generate(model, ps)
+    OracleLists.expected = {tuple(p["prompt_token_ids"][:PREFIX]): p["prompt_token_ids"] + list(o) for p, o in zip(prompts(), plain)}
+    with registered_proposer(OracleDevice):
+        llm = LLM(str(model), dtype="float32", max_num_seqs=4, speculative_config={"method": "oracle_device", "num_speculative_tokens": K})
+        spec = llm.engine.core.runner.spec
+        kept = []
+        keep = spec._may_keep_on_device
+        spec._may_keep_on_device = lambda runner, states: kept.append(keep(runner, states)) or kept[-1]
+        guided = SamplingParams(temperature=0.0, max_tokens=4, guided_decoding=GuidedDecodingParams(regex="[ab]{4}"))
+        outs = llm.generate([prompts()[1], prompts()[0]], [guided, ps[0]], use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == plain[0]
+    # On the device before the guided request joins (once its grammar compiles), then read
+    # on the host while it runs.
+    assert kept[0] is True and False in kept
+
+
+def test_the_store_fills_a_verification_graphs_inputs_on_the_device():
+    """What a verification graph's staging gets (``SpecDecodeRunner._fill_deferred``): each
+    deferred request's drafts from its row, clamped into the vocabulary; host values as kept."""
+    store = DraftStore(max_rows=4, num_speculative_tokens=K, vocab_size=50, device=torch.device("cpu"))
+    first = store.keep(np.array([2, 0]), DeviceDrafts(torch.tensor([[7, 8, 9], [4, 0, 0]]), np.array([3, 1])))
+    assert first == [[DEFERRED] * 3, [DEFERRED]]
+    # A later proposal for row 1 alone leaves rows 0 and 2 as they were.
+    assert store.keep(np.array([1]), DeviceDrafts(torch.tensor([[60, 5]]), np.array([2]))) == [[DEFERRED] * 2]
+    spec = SpecDecodeRunner(None, K, max_model_len=64)
+    spec.store = store
+    q = 1 + K
+    input_ids = torch.full((3 * q,), -1, dtype=torch.long)
+    drafts = [[DEFERRED] * 3, [DEFERRED] * 2, [DEFERRED] * 1]  # rows 2, 1 and 0; padding in front
+    targets = np.array([1, 2, 3, q + 2, q + 3, 2 * q + 3])
+    spec._fill_deferred(input_ids, targets, np.array([2, 1, 0]), drafts)
+    assert input_ids.view(3, q).tolist() == [[-1, 7, 8, 9], [-1, -1, 49, 5], [-1, -1, -1, 4]]
+    with pytest.raises(Exception, match=r"outside the vocabulary \[0, 50\): \[7, 8, 9, 60, 5, 4\]"):
+        spec.store.resolve(_named(), drafts, np.array([2, 1, 0]))
+    assert store.resolve(_named(), [[DEFERRED] * 2, [1, 2]], np.array([2, 3])) == [[7, 8], [1, 2]]
+
+
+def _named():
+    class P:
+        name = "p"
+
+    return P()
