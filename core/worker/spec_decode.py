@@ -211,7 +211,8 @@ class SpecDecodeRunner:
         step = self._graph_step(runner, states, starts, counts, drafts)
         if step is None:
             if deferred:  # an eager step reads its drafts on the host: wait for them now
-                drafts, deferred = self.store.resolve(self.proposer, drafts, req_rows), False
+                with host_sync_point():
+                    drafts, deferred = self.store.resolve(self.proposer, drafts, req_rows), False
             step = runner.prepare_inputs(states, starts, counts, drafts=drafts)
         graph_out = None
         if isinstance(step, VerifyGraphStep):  # launched first: the host work below overlaps it
