@@ -16,6 +16,7 @@ from spec_helpers import registered_proposer
 
 K = 3
 PREFIX = 6  # the first prompt tokens name a conversation
+NUM_BLOCKS = 128  # not sized from free memory: on a GPU the engines of a test share it
 
 
 class OracleLists(DraftProposer):
@@ -47,9 +48,9 @@ class OracleDevice(OracleLists):
 
     def propose(self, batch):
         drafts = self.drafts(batch)
-        ids = torch.zeros((batch.num_reqs, K), dtype=torch.long)
+        ids = torch.zeros((batch.num_reqs, K), dtype=torch.long, device=self.device)
         for i, d in enumerate(drafts):
-            ids[i, : len(d)] = torch.tensor(d, dtype=torch.long)
+            ids[i, : len(d)] = torch.tensor(d, dtype=torch.long, device=self.device)
         return DeviceDrafts(ids, np.array([len(d) for d in drafts], dtype=np.int64))
 
 
@@ -68,7 +69,8 @@ def params(penalty: bool):
 
 def generate(model, ps, method=None, **kw):
     spec = None if method is None else {"method": method, "num_speculative_tokens": K, "adaptive": False}
-    llm = LLM(str(model), dtype="float32", max_num_seqs=4, max_num_batched_tokens=48, speculative_config=spec, **kw)
+    llm = LLM(str(model), dtype="float32", max_num_seqs=4, max_num_batched_tokens=48, num_kv_blocks=NUM_BLOCKS,
+              speculative_config=spec, **kw)
     outs = llm.generate(prompts(), ps, use_tqdm=False)
     core = llm.engine.core
     assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks
@@ -103,7 +105,8 @@ def test_a_guided_request_reads_its_drafts_on_the_host(llama_dir):
     _, plain = generate(model, ps)
     OracleLists.expected = {tuple(p["prompt_token_ids"][:PREFIX]): p["prompt_token_ids"] + list(o) for p, o in zip(prompts(), plain)}
     with registered_proposer(OracleDevice):
-        llm = LLM(str(model), dtype="float32", max_num_seqs=4, speculative_config={"method": "oracle_device", "num_speculative_tokens": K})
+        llm = LLM(str(model), dtype="float32", max_num_seqs=4, num_kv_blocks=NUM_BLOCKS,
+                  speculative_config={"method": "oracle_device", "num_speculative_tokens": K})
         spec = llm.engine.core.runner.spec
         kept = []
         keep = spec._may_keep_on_device
@@ -117,7 +120,7 @@ def test_a_guided_request_reads_its_drafts_on_the_host(llama_dir):
 
 
 def test_the_store_fills_a_verification_graphs_inputs_on_the_device():
-    """What a verification graph's staging gets (``SpecDecodeRunner._fill_deferred``): each
+    """What a verification graph's staging gets (``SpecDecodeRunner._deferred_inputs``): each
     deferred request's drafts from its row, clamped into the vocabulary; host values as kept."""
     store = DraftStore(max_rows=4, num_speculative_tokens=K, vocab_size=50, device=torch.device("cpu"))
     first = store.keep(np.array([2, 0]), DeviceDrafts(torch.tensor([[7, 8, 9], [4, 0, 0]]), np.array([3, 1])))
@@ -130,7 +133,8 @@ def test_the_store_fills_a_verification_graphs_inputs_on_the_device():
     input_ids = torch.full((3 * q,), -1, dtype=torch.long)
     drafts = [[DEFERRED] * 3, [DEFERRED] * 2, [DEFERRED] * 1]  # rows 2, 1 and 0; padding in front
     targets = np.array([1, 2, 3, q + 2, q + 3, 2 * q + 3])
-    spec._fill_deferred(input_ids, targets, np.array([2, 1, 0]), drafts)
+    index, ids = spec._deferred_inputs(targets, np.array([2, 1, 0]), drafts, torch.device("cpu"))
+    input_ids.index_copy_(0, index, ids)  # as CudaGraphRunner.feed_input_ids writes its staging
     assert input_ids.view(3, q).tolist() == [[-1, 7, 8, 9], [-1, -1, 49, 5], [-1, -1, -1, 4]]
     with pytest.raises(Exception, match=r"outside the vocabulary \[0, 50\): \[7, 8, 9, 60, 5, 4\]"):
         spec.store.resolve(_named(), drafts, np.array([2, 1, 0]))

@@ -189,19 +189,20 @@ class SpecDecodeRunner:
             tokens[deferred] = PAD_TOKEN  # filled on the device after the upload
         if not graphs.load(tokens.reshape(-1), seq_lens, table_rows, size):
             return None
-        if deferred.any():
-            self._fill_deferred(graphs.input_ids, np.flatnonzero(deferred.reshape(-1)), rows, drafts)
+        if deferred.any():  # into the staging the graph derives its inputs (and slots) from
+            graphs.feed_input_ids(*self._deferred_inputs(np.flatnonzero(deferred.reshape(-1)), rows, drafts, graphs.staging_dev.device))
         common = graphs.common_metadata(n, torch.from_numpy(seq_lens.astype(np.int32)))
         common.block_table_cpu = torch.from_numpy(table_rows)
         return VerifyGraphStep(size, q, common, graphs.input_ids[: n * q], graphs.positions[: n * q])
 
-    def _fill_deferred(self, input_ids: torch.Tensor, targets: np.ndarray, rows: np.ndarray, drafts) -> None:
-        """Write the drafts kept on the device into ``input_ids`` at flat ``targets`` (each
-        deferred request's draft slots, in request order)."""
+    def _deferred_inputs(self, targets: np.ndarray, rows: np.ndarray, drafts, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(targets, ids)`` on the device: the drafts kept there for the deferred requests
+        (on block-table ``rows``), for flat input positions ``targets`` (each such request's
+        draft slots, in request order)."""
         counts = np.fromiter((len(d) if len(d) and d[0] == DEFERRED else 0 for d in drafts), dtype=np.int64, count=len(drafts))
         sources = self.store.sources(rows, counts)
-        index = torch.from_numpy(np.concatenate([targets, sources])).to(input_ids.device, non_blocking=True)
-        input_ids[index[: len(targets)]] = self.store.gather(index[len(targets) :])
+        index = torch.from_numpy(np.concatenate([targets, sources])).to(device, non_blocking=True)
+        return index[: len(targets)], self.store.gather(index[len(targets) :])
 
     # ---- verification --------------------------------------------------------------------
     def execute(self, runner, sched, req_ids, states, starts, counts, drafts) -> ModelRunnerOutput:
