@@ -17,6 +17,7 @@ from pagelm.plugins.bench.presets import resolve_bench_model
 
 head = sys.argv[1]
 model, kw = resolve_bench_model("demo", {})
+kw["num_kv_blocks"] = 2048  # two engines in one process: neither sizes its pool from free memory
 prompt = {"prompt_token_ids": torch.randint(10, 1000, (128,), generator=torch.Generator().manual_seed(0)).tolist()}
 params = SamplingParams(temperature=0.0, max_tokens=384, ignore_eos=True)
 for spec in (None, {"method": "eagle", "num_speculative_tokens": 3, "model": head}):
