@@ -251,8 +251,12 @@ def test_eagle_drafting_graphs_draft_what_the_eager_passes_draft(make_model, tmp
             assert proposer.graphs.sizes == proposer.step_graphs.sizes == [1, 2, 4, 8]
             assert proposer.step_graphs.query_len == 4
             assert proposer.graphs.num_replays > 0 and proposer.step_graphs.num_replays > 0
+            # After decode steps every pass is one graph; a step after which nobody drafts
+            # (backed off) replays pass 1 alone.
+            assert proposer.decode_graphs.query_len == 1 and proposer.decode_graphs.num_replays > 0
+            assert sorted(proposer.kv_graphs) == [1, 4] and proposer.kv_graphs[1].num_replays > 0
         else:
-            assert proposer.graphs is None and proposer.step_graphs is None
+            assert proposer.graphs is None and proposer.step_graphs is None and not proposer.kv_graphs
 
     proposals = _proposals_with_and_without_graphs(model, config, graphs_state)
     assert proposals[True] == proposals[False]

@@ -18,9 +18,12 @@ one-hot proposal), which the rejection sampler verifies exactly, for greedy and 
 requests alike; over the head's draft vocabulary when its checkpoint has one (``draft_vocab``:
 only those rows of the target's LM head are read).
 
-Pass 1 runs eagerly (its shape is the step's). With CUDA graphs, passes ``2..k`` replay one
-graph per padded batch of drafting requests (``eagle_graphs``: the chain of passes in one
-launch); on the CPU, with ``enforce_eager`` and for batches above ``MAX_DRAFT_GRAPH_BATCH``
+With CUDA graphs, a proposal after a step of one token per request (decode) or ``1 + k``
+(a verification graph step) replays one graph per padded batch (``eagle_graphs``): every
+pass in one launch, or pass 1 alone when nobody drafts (the head's KV follows every step, so
+a request backed off by adaptive drafting costs one small launch). After other steps pass 1
+runs eagerly (its shape is the step's) and passes ``2..k`` replay a graph of the drafting
+requests; on the CPU, with ``enforce_eager`` and for batches above ``MAX_DRAFT_GRAPH_BATCH``
 they run eagerly, one pass at a time over the requests still drafting. Either way the
 drafts stay on the device (``DeviceDrafts``): the engine copies them into the next
 verification there, and the host reads them with that verification's tokens.
@@ -80,10 +83,13 @@ class EagleProposer(DraftProposer):
         )
         # The argmax of each drafting pass: over the head's draft vocabulary when it has one.
         self.lm_head = DraftLMHead(target, draft_vocab, device)
-        # Captured on CUDA (capture_cuda_graphs): passes 2..k, and every pass after a step of
-        # 1 + k tokens per request.
+        # Captured on CUDA (capture_cuda_graphs): passes 2..k; every pass after a step of
+        # 1 + k tokens per request (a verification graph step) and after a decode step (one
+        # token each); and pass 1 alone after either, for steps after which nobody drafts.
         self.graphs: EagleDraftGraphs | None = None
         self.step_graphs: EagleDraftGraphs | None = None
+        self.decode_graphs: EagleDraftGraphs | None = None
+        self.kv_graphs: dict[int, EagleDraftGraphs] = {}  # by query_len
 
     @classmethod
     def validate(cls, config) -> list[str]:
@@ -125,18 +131,23 @@ class EagleProposer(DraftProposer):
         args = (self.head, self.lm_head.argmax, setup, sizes, k, self.head.config.hidden_size, self.dtype)
         if k >= 2:
             self.graphs = EagleDraftGraphs(*args)
-            self.graphs.capture(setup.pool)
-        if setup.graph_support == GraphSupport.ALWAYS:
+        self.decode_graphs = EagleDraftGraphs(*args, query_len=1)
+        self.kv_graphs = {1: EagleDraftGraphs(*args, query_len=1, kv_only=True)}
+        if setup.graph_support == GraphSupport.ALWAYS:  # graph metadata of 1 + k tokens per request
             self.step_graphs = EagleDraftGraphs(*args, query_len=1 + k)
-            self.step_graphs.capture(setup.pool)
+            self.kv_graphs[1 + k] = EagleDraftGraphs(*args, query_len=1 + k, kv_only=True)
+        for graphs in (self.graphs, self.decode_graphs, self.step_graphs, *self.kv_graphs.values()):
+            if graphs is not None:
+                graphs.capture(setup.pool)
 
     def release_cuda_graphs(self) -> None:
-        self.graphs = self.step_graphs = None
+        self.graphs = self.step_graphs = self.decode_graphs = None
+        self.kv_graphs = {}
 
     def propose(self, batch: ProposalBatch) -> list[list[int]]:
-        size = self._step_graph_size(batch)
-        if size is not None:
-            return self._replay_proposal(batch, size)
+        whole = self._whole_proposal_graphs(batch)
+        if whole is not None:
+            return self._replay_proposal(batch, *whole)
         drafts: list[list[int]] = [[] for _ in range(batch.num_reqs)]
         device = batch.hidden_states.device
         n = batch.num_reqs
@@ -165,22 +176,30 @@ class EagleProposer(DraftProposer):
             ids = torch.zeros((n, width), dtype=out.dtype, device=device).index_copy_(0, _to_device(want, device), ids)
         return DeviceDrafts(ids, batch.max_num_drafts)
 
-    def _step_graph_size(self, batch: ProposalBatch) -> int | None:
-        """The captured size for the whole proposal, after a step of ``1 + k`` tokens per
-        request (None: pass 1 runs eagerly)."""
-        graphs = self.step_graphs
-        if graphs is None or uniform_query_len(batch) != graphs.query_len:
+    def _whole_proposal_graphs(self, batch: ProposalBatch) -> tuple[EagleDraftGraphs, int] | None:
+        """The graphs and captured size for the whole proposal, after a step of one or
+        ``1 + k`` tokens per request: pass 1 alone when nobody drafts, else every pass.
+        None: pass 1 runs eagerly."""
+        q = uniform_query_len(batch)
+        if q is None:
             return None
-        return graphs.padded_size(batch.num_reqs)
+        if not batch.max_num_drafts.any():
+            graphs = self.kv_graphs.get(q)
+        else:
+            graphs = self.decode_graphs if q == 1 else self.step_graphs
+        if graphs is None or graphs.query_len != q:
+            return None
+        size = graphs.padded_size(batch.num_reqs)
+        return None if size is None else (graphs, size)
 
-    def _replay_proposal(self, batch: ProposalBatch, size: int) -> list[list[int]]:
-        """Every pass from the graph of ``size`` requests (``step_graphs``)."""
+    def _replay_proposal(self, batch: ProposalBatch, graphs: EagleDraftGraphs, size: int) -> list[list[int]]:
+        """Every pass (or pass 1 alone) from the graph of ``size`` requests."""
         caps = batch.max_num_drafts
         end = max(int(batch.common.seq_lens_cpu.max()), int(batch.last_token_position.max()) + self.num_speculative_tokens)
         table = batch.block_table_cpu
         block_rows = table[batch.rows, : min(-(-end // batch.block_size), table.shape[1])]
-        self.step_graphs.load_step(batch, caps, block_rows, size)
-        out = self.step_graphs.replay(size)
+        graphs.load_step(batch, caps, block_rows, size)
+        out = graphs.replay(size)
         width = int(caps.max())
         if width == 0:  # pass 1 only (the head's KV): nothing to wait for
             return [[] for _ in range(batch.num_reqs)]

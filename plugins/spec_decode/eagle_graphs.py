@@ -68,7 +68,9 @@ def uniform_query_len(target: TargetPass) -> int | None:
 
 class EagleDraftGraphs:
     """An EAGLE head's drafting for batches of up to ``max(sizes)`` requests: passes ``2..k``,
-    or with ``query_len`` the first pass over ``query_len`` tokens per request and then those."""
+    or with ``query_len`` the first pass over ``query_len`` tokens per request and then those;
+    ``kv_only``: the first pass alone, for a step after which nobody drafts (the head's KV
+    must still follow every step)."""
 
     def __init__(
         self,
@@ -80,8 +82,11 @@ class EagleDraftGraphs:
         hidden_size: int,
         dtype: torch.dtype,
         query_len: int | None = None,
+        kv_only: bool = False,
     ) -> None:
         assert num_drafts >= 2 or query_len is not None, "passes 2..k alone need k >= 2"
+        assert query_len is not None or not kv_only, "kv_only is the first pass alone: it needs query_len"
+        self.kv_only = kv_only
         self.head = head
         # Hidden states [n, h] -> draft token ids [n] (``DraftLMHead.argmax``: over the
         # head's draft vocabulary when it has one, mapped back to target ids in-graph).
@@ -223,8 +228,9 @@ class EagleDraftGraphs:
         at = field * self.max_size
         return self.staging_dev[at : at + size]
 
-    def _first_pass(self, size: int, md) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pass 1 over the loaded step: each request's first draft and head hidden state."""
+    def _first_pass(self, size: int, md) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Pass 1 over the loaded step: each request's first draft and head hidden state
+        (None with ``kv_only``: the head's KV is all it leaves)."""
         q = self.query_len
         num_tokens = size * q
         padding = self._field(_REAL, size) == 0
@@ -236,6 +242,8 @@ class EagleDraftGraphs:
         input_ids.index_copy_(0, last_index, self._field(_NEXT_TOKEN, size))
         with forward_context(ForwardContext(attn_metadata=md)):
             hidden = self.head(input_ids, self.step_positions[:num_tokens], self.step_hidden[:num_tokens])
+        if self.kv_only:
+            return None
         hidden = hidden.index_select(0, last_index)
         return self.argmax(hidden), hidden
 
@@ -243,6 +251,9 @@ class EagleDraftGraphs:
         """What a graph records: pass 1 (``query_len``) or the loaded first drafts, then
         passes ``2..k``; the drafts ``[size, k]``."""
         bs = self.block_size
+        if self.kv_only:
+            self._first_pass(size, step_md)
+            return self.drafts[:size]
         if self.query_len is None:
             tokens, hidden = self.tokens[:size], self.hidden[:size]
         else:
@@ -286,6 +297,8 @@ class EagleDraftGraphs:
         torch.cuda.synchronize()
         logger.info(
             "captured CUDA graphs of the EAGLE head's drafting (%s) for batch sizes %s in %.1f s",
-            "passes 2..%d" % self.num_drafts if self.query_len is None else f"every pass, after {self.query_len}-token steps",
+            "passes 2..%d" % self.num_drafts if self.query_len is None
+            else f"pass 1 alone (the head's KV), after {self.query_len}-token steps" if self.kv_only
+            else f"every pass, after {self.query_len}-token steps",
             self.sizes, time.perf_counter() - start,
         )
