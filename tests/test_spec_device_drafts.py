@@ -100,6 +100,7 @@ def test_device_drafts_verify_as_the_same_drafts_as_lists(llama_dir, penalty, as
 
 
 def test_a_guided_request_reads_its_drafts_on_the_host(llama_dir):
+    pytest.importorskip("xgrammar")
     model = llama_dir
     ps = params(False)
     _, plain = generate(model, ps)

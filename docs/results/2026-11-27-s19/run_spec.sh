@@ -8,6 +8,9 @@
 #   run_spec.sh tests   GPU tests: EAGLE's graph tests, the device-drafts tests (CUDA graphs on)
 #   run_spec.sh new N   8B on this tree, as run N (8b-new-N)
 #   run_spec.sh base N  8B on baseline/, as run N (8b-base-N)
+#   run_spec.sh reject N  demo model, trained head, every draft shifted off by one
+#                       (--spec-reject-all: a useless drafter; adaptive drafting on), batch
+#                       1 and 32, this tree then baseline, as run N
 #   run_spec.sh demo    demo model (demo-cache/), trained head (eagle-demo/), batch 1 and 32,
 #                       this tree then baseline, each beside no speculation
 # Logs and JSON under $OUT; `log` is the summary.
@@ -24,7 +27,7 @@ EAGLE="{\"method\": \"eagle\", \"num_speculative_tokens\": 3, \"model\": \"$PWD/
 big() { bench "$1" 240 --model llama-3.1-8b --batch-sizes 1 --input-len 128 --output-len 128 --iters 2 \
     --max-model-len 1024 --max-num-seqs 8 --random-draft-head --compare spec-off --speculative-config "$VOCAB"; }
 demo() { bench "$1" 150 --model demo --workload code --input-len 128 --output-len 256 --batch-sizes 1,32 --iters 3 \
-    --speculative-config "$EAGLE" --compare spec-off; }
+    --speculative-config "$EAGLE" --compare spec-off "${@:2}"; }
 cost() {  # the step cost of every JSON of this call
     python3 - "$OUT" <<'PY' | tee -a $OUT/log
 import json, pathlib, sys
@@ -46,4 +49,5 @@ tests)
 new) inst .; big 8b-new-$2; cost ;;
 base) inst baseline; big 8b-base-$2; cost ;;
 demo) inst .; demo demo-new; inst baseline; demo demo-base; cost ;;
+reject) inst .; demo reject-new-$2 --spec-reject-all; inst baseline; demo reject-base-$2 --spec-reject-all; cost ;;
 esac
