@@ -16,7 +16,8 @@ sampler verifies exactly, for greedy and sampled requests alike. The heads keep 
 between steps and have no KV cache, so the engine may run steps ahead (async scheduling)
 whenever adaptive drafting has every request backed off, as with n-gram. All drafting
 requests go through the heads in one batched pass per step (a few matmuls over ``[n, k,
-hidden]``), then one copy of the ``[n, k]`` drafts to the host. With CUDA graphs that pass
+hidden]``); the ``[n, k]`` drafts stay on the device (``DeviceDrafts``) for the next
+verification to take there. With CUDA graphs that pass
 and the argmax replay as one graph per padded batch of up to ``MAX_DRAFT_GRAPH_BATCH``
 drafting requests (``medusa_graphs``), unless ``PAGELM_MEDUSA_DRAFT_GRAPHS=0``; on the CPU,
 with ``enforce_eager`` and for larger batches they run eagerly.
@@ -43,6 +44,7 @@ from torch import nn
 from pagelm import hookimpl
 from pagelm.models.pipeline import MissingLayer
 from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
+from pagelm.spec_decode import DeviceDrafts
 from pagelm.plugins.spec_decode.medusa_graphs import MedusaDraftGraphs
 from pagelm.spec_decode import DraftGraphSetup
 
@@ -191,9 +193,12 @@ class MedusaProposer(DraftProposer):
         else:
             states = self.heads(hidden[index], int(caps.max()))
             tokens = self.heads.logits(states, self.target.compute_logits).argmax(dim=-1)
-        for i, row, cap in zip(want.tolist(), tokens.tolist(), caps.tolist()):
-            drafts[i] = row[:cap]
-        return drafts
+        # Left on the device, one row per request of the batch (zeros where it drafts none).
+        ids = tokens[: len(want), : int(caps.max())]
+        if len(want) < batch.num_reqs:
+            rows = torch.from_numpy(want).to(ids.device, non_blocking=True)
+            ids = torch.zeros((batch.num_reqs, ids.shape[1]), dtype=ids.dtype, device=ids.device).index_copy_(0, rows, ids)
+        return DeviceDrafts(ids, batch.max_num_drafts)
 
 
 def load_medusa_heads(path: Path, target: nn.Module, device: torch.device, dtype: torch.dtype) -> MedusaHeads:
