@@ -2,11 +2,14 @@
 ``DraftStore`` until the next verification, and the outputs, the drafts verified and the
 drafts accepted are those of the same drafts returned as host lists."""
 
+import random
+
 import numpy as np
 import pytest
 import torch
 
 from pagelm import LLM, SamplingParams
+from pagelm.engine.output_processor import OutputKind
 from pagelm.sampling_params import GuidedDecodingParams
 from pagelm.plugins.spec_decode import DraftProposer
 from pagelm.spec_decode import DeviceDrafts
@@ -147,3 +150,51 @@ def _named():
         name = "p"
 
     return P()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_arrivals_aborts_and_preemptions_with_device_drafts_lose_no_token(llama_dir, seed):
+    """Requests arrive at random steps, some are aborted mid-run, and a small KV pool preempts
+    others (their drafts, kept on the device, are dropped with them): every request's tokens
+    are the plain run's (a prefix of them when aborted), every block returns, and the drafts
+    verified and accepted are those of the same drafts as lists under the same schedule
+    (verification is lossless whatever the drafts: only the acceptance shows a wrong one)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    ps = [{"prompt_token_ids": torch.randint(3, 64, (rng.randint(8, 40),), generator=gen).tolist()} for _ in range(10)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(8, 40), ignore_eos=True) for _ in ps]
+    plain = [o.outputs[0].token_ids for o in LLM(str(llama_dir), dtype="float32", num_kv_blocks=NUM_BLOCKS).generate(
+        ps, params, use_tqdm=False)]
+    # Distinct prompts' first tokens name them; the oracle drafts the plain run, every third position's last draft wrong.
+    OracleLists.expected = {tuple(p["prompt_token_ids"][:PREFIX]): p["prompt_token_ids"] + list(o) for p, o in zip(ps, plain)}
+    assert len(OracleLists.expected) == len(ps)
+    arrivals = sorted(rng.randint(0, 12) for _ in ps)
+    aborts = {rng.randint(2, 20): str(i) for i in rng.sample(range(len(ps)), 3)}
+    runs = {}
+    for cls in (OracleLists, OracleDevice):
+        with registered_proposer(cls):
+            llm = LLM(str(llama_dir), dtype="float32", block_size=8, num_kv_blocks=14, max_model_len=96, max_num_seqs=6,
+                      speculative_config={"method": cls.name, "num_speculative_tokens": K, "adaptive": False})
+            engine, core = llm.engine, llm.engine.core
+            streamed = {str(i): [] for i in range(len(ps))}
+            step = added = 0
+            while added < len(ps) or engine.has_unfinished_requests():
+                while added < len(ps) and arrivals[added] <= step:
+                    engine.add_request(str(added), ps[added], params[added], output_kind=OutputKind.DELTA)
+                    added += 1
+                for out in engine.step():
+                    streamed[out.request_id].extend(out.outputs[0].token_ids)
+                if step in aborts:
+                    engine.abort_request([aborts[step]])
+                step += 1
+            stats = core.scheduler.spec_decoding_stats
+            runs[cls.name] = (streamed, stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+            assert core.scheduler.num_preemptions > 0 and stats.num_accepted_tokens > 0
+            assert core.kv_cache_manager.num_free_blocks == core.num_kv_blocks
+            assert (core.runner.spec.store is not None) == (cls is OracleDevice)
+    assert runs["oracle_device"] == runs["oracle_lists"]
+    for i, tokens in enumerate(runs["oracle_device"][0].values()):
+        if str(i) in aborts.values():
+            assert tokens == plain[i][: len(tokens)]
+        else:
+            assert tokens == plain[i]
