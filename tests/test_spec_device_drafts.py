@@ -33,6 +33,9 @@ class OracleLists(DraftProposer):
     def drafts(self, batch) -> list[list[int]]:
         out = []
         for i, (n, m) in enumerate(zip(batch.num_tokens.tolist(), batch.max_num_drafts.tolist())):
+            if m == 0:  # a prefill chunk that stops short (its history may not hold the prefix yet)
+                out.append([])
+                continue
             full = self.expected[tuple(batch.token_ids[i, :PREFIX].tolist())]
             d = list(full[n : n + m])
             if d and n % 3 == 0:

@@ -478,3 +478,27 @@ def test_medusa_greedy_tokens_are_identical_with_drafting_graphs_eagerly_and_wit
     assert drafted["eager"] > 0 and drafted["graphs"] > 0
     assert outs["eager"] == outs["plain"]
     assert outs["graphs"] == outs["plain"]
+
+
+def test_drafts_kept_on_the_device_verify_in_graphs_as_the_same_drafts_as_lists(make_model, triton_on_cpu, eager_graphs):
+    """Drafts kept on the device (``DeviceDrafts``) reach a verification graph through its
+    staging (which the graph derives its tokens and KV slots from): the drafts verified and
+    accepted, and the tokens, are those of the same drafts given as lists."""
+    from test_spec_device_drafts import PREFIX, OracleDevice, OracleLists
+    from spec_helpers import registered_proposer
+
+    model = make_model("spec_llama", "llama")
+    plain = _plain_tokens(model)
+    OracleLists.expected = {tuple(p["prompt_token_ids"][:PREFIX]): p["prompt_token_ids"] + list(o) for p, o in zip(PROMPTS, plain)}
+    assert len(OracleLists.expected) == len(PROMPTS)
+    runs = {}
+    for cls in (OracleLists, OracleDevice):
+        with registered_proposer(cls):
+            tokens, llm, staged = _graph_run(model, {"method": cls.name, "num_speculative_tokens": 3, "adaptive": False})
+        core = llm.engine.core
+        stats = core.scheduler.spec_decoding_stats
+        runs[cls.name] = (tokens, stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+        assert core.runner.spec.graphs.num_replays == len(staged) > 0
+        assert (core.runner.spec.store is not None) == (cls is OracleDevice)
+    assert runs["oracle_device"] == runs["oracle_lists"]
+    assert runs["oracle_device"][0] == plain and 0 < runs["oracle_device"][3] < runs["oracle_device"][2]

@@ -184,13 +184,12 @@ class SpecDecodeRunner:
         seq_lens = np.asarray(starts, dtype=np.int64) + np.asarray(counts, dtype=np.int64)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
         table_rows = runner.block_table_cpu[rows, : cdiv(int(seq_lens.max()), runner.block_size)]
-        deferred = tokens == DEFERRED
-        if deferred.any():
-            tokens[deferred] = PAD_TOKEN  # filled on the device after the upload
+        deferred = np.flatnonzero(tokens.reshape(-1) == DEFERRED)
+        tokens.reshape(-1)[deferred] = PAD_TOKEN  # filled on the device after the upload
         if not graphs.load(tokens.reshape(-1), seq_lens, table_rows, size):
             return None
-        if deferred.any():  # into the staging the graph derives its inputs (and slots) from
-            graphs.feed_input_ids(*self._deferred_inputs(np.flatnonzero(deferred.reshape(-1)), rows, drafts, graphs.staging_dev.device))
+        if len(deferred):  # into the staging the graph derives its inputs (and slots) from
+            graphs.feed_input_ids(*self._deferred_inputs(deferred, rows, drafts, graphs.staging_dev.device))
         common = graphs.common_metadata(n, torch.from_numpy(seq_lens.astype(np.int32)))
         common.block_table_cpu = torch.from_numpy(table_rows)
         return VerifyGraphStep(size, q, common, graphs.input_ids[: n * q], graphs.positions[: n * q])
@@ -207,8 +206,8 @@ class SpecDecodeRunner:
     # ---- verification --------------------------------------------------------------------
     def execute(self, runner, sched, req_ids, states, starts, counts, drafts) -> ModelRunnerOutput:
         """Forward pass, verification and proposal for a step where some requests carry drafts."""
-        req_rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
         deferred = self.store is not None and DraftStore.is_deferred(drafts)
+        req_rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states)) if deferred else None
         step = self._graph_step(runner, states, starts, counts, drafts)
         if step is None:
             if deferred:  # an eager step reads its drafts on the host: wait for them now
