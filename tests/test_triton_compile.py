@@ -50,7 +50,7 @@ SCRIPT = textwrap.dedent(
         cfg = pa.tile_config(group, head_dim, max_query_len)
         block_q = 1 if split else cfg.block_m // group
         constexprs = pa._constexprs(group, head_dim, cache, cfg, block_q, dtype, None)
-        constexprs.update(SPLIT=split, SPLIT_Q=max_query_len if split else 1, SKIP_DECODES=not split,
+        constexprs.update(SPLIT=split, SPLIT_Q=max_query_len if split else 1,
                           FUSE_REDUCE=fuse_reduce, SPLITS_PAD=32, USE_PDL=True, launch_pdl=True)
         io = dict.fromkeys(["out_ptr", "query_ptr", "key_cache_ptr", "value_cache_ptr"], TYPES[dtype])
         io.update(dict.fromkeys(["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"], "*i32"))

@@ -109,16 +109,44 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             )
         self.target_programs = max(target_programs, self.max_splits)
         self.scratch = ScratchPool(self.target_programs, device)
+        self._block_size = 16  # the engine's, from configure()
+        self._built: set[tuple] = set()  # (layer shape, dtype) whose kernels bind_layers built
         self._decode_req_idx = torch.zeros(self.target_programs, dtype=torch.int32, device=device)
         # Graphs keep their own (constant) index: eager steps rewrite the one above.
         self._graph_decode_req_idx = torch.arange(self.target_programs, dtype=torch.int32, device=device)
 
+    def configure(self, config: "EngineConfig") -> None:
+        self._block_size = config.block_size
+
+    def bind_layers(self, specs, dtype: torch.dtype) -> None:
+        """Build the kernels of every layer shape now (``build_kernels``), not in the first
+        step that needs each variant: Triton compiles a variant the first time it runs, over a
+        second on a fresh machine, and a step that waits for it stalls the whole batch."""
+        from pagelm.backends.triton import paged_attention as pa
+
+        if pa.INTERPRETED or self.device.type != "cuda":
+            return  # the interpreter compiles nothing
+        split_counts = tuple(1 << i for i in range(1, self.max_splits.bit_length()))
+        for shape in sorted({(s.num_heads, s.num_kv_heads, s.head_dim, s.sliding_window) for s in specs},
+                            key=repr):
+            if (shape, dtype) in self._built:
+                continue
+            num_heads, num_kv_heads, head_dim, sliding_window = shape
+            pa.build_kernels(
+                num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                block_size=self._block_size, sliding_window=sliding_window, split_counts=split_counts,
+                scratch=self.scratch.get(num_heads, head_dim), device=self.device,
+            )
+            self._built.add((shape, dtype))
+
     def num_splits(self, num_decodes: int, max_decode_seq_len: int) -> int:
+        """A power of two (so an eager step only meets split counts ``bind_layers`` built)."""
         if num_decodes == 0:
             return 1
         by_length = max_decode_seq_len // self.min_tokens_per_split
         by_occupancy = self.target_programs // num_decodes
-        return max(1, min(self.max_splits, by_length, by_occupancy))
+        splits = max(1, min(self.max_splits, by_length, by_occupancy))
+        return 1 << (splits.bit_length() - 1)
 
     def build_for_cudagraph(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         """Every request has ``q = max_query_len`` tokens (1: decode; 1 + k: speculative

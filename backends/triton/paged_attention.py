@@ -134,7 +134,15 @@ def _merge_splits(
     tl.store(out_ptr + out_row + dims, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
-@triton.jit
+# The batch size is not specialised on (Triton otherwise compiles a variant for a value of 1
+# and for multiples of 16): a batch size first seen mid-run would compile a new variant inside
+# a step, over a second each (2.4 s of a 10 s nano-vllm run on an H100, docs/benchmarks.md).
+# ``num_splits`` stays specialised (the merge's loads are vectorised by it); the eager steps'
+# split counts are powers of two, whose variants ``build_kernels`` compiles at start-up.
+PER_STEP_ARGS = ("num_reqs", "skip_decodes", "stride_block_table")
+
+
+@triton.jit(do_not_specialize=PER_STEP_ARGS)
 def _paged_attention_kernel(
     out_ptr,
     query_ptr,
@@ -151,11 +159,12 @@ def _paged_attention_kernel(
     num_reqs,
     num_heads,
     num_splits,
+    skip_decodes,  # 1: decodes go through the split launch this step (main launch only)
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
     sliding_window,
     stride_query_tok,
     stride_out_tok,
-    stride_block_table,
+    stride_block_table,  # not specialised either: the engine's table width is not a layer's business
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
@@ -168,7 +177,6 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     SPLIT: tl.constexpr,
     SPLIT_Q: tl.constexpr,  # SPLIT: query tokens per request (1 + drafts when verifying)
-    SKIP_DECODES: tl.constexpr,  # decodes go through the split launch this step
     FUSE_REDUCE: tl.constexpr,  # SPLIT: the last program of a (token, KV head) merges
     SPLITS_PAD: tl.constexpr,  # FUSE_REDUCE: num_splits rounded up to a power of two
     USE_WINDOW: tl.constexpr,
@@ -191,8 +199,8 @@ def _paged_attention_kernel(
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     if q_block_start >= q_len:
         return
-    if SKIP_DECODES:
-        if q_len == 1:
+    if not SPLIT:  # (the split launch's code stays free of this branch)
+        if skip_decodes != 0 and q_len == 1:
             return
     seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len
@@ -320,10 +328,10 @@ class TileConfig:
     num_stages: int
 
 
-def tile_config(group: int, head_dim: int, max_query_len: int) -> TileConfig:
+def tile_config(group: int, head_dim: int, max_query_len: int, split: bool = False) -> TileConfig:
     """Decode-like batches use the smallest MMA tile (16 rows) and 32-key tiles (finer split-K
     ranges); longer queries use 64 rows so each K/V tile serves more queries. Rows must hold at
-    least one token's group."""
+    least one token's group. ``split``: for the split-K launch (the same tiles today)."""
     head_pad = triton.next_power_of_2(head_dim)
     if max_query_len * group <= 16:
         block_m, tile_n = 16, 32
@@ -385,13 +393,12 @@ def paged_attention(
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         query_start_loc, out, out, out, query_start_loc,  # split-only pointers: unused here
-        num_reqs, num_heads, 1, scale * math.log2(math.e), sliding_window or 0,
+        num_reqs, num_heads, 1, int(skip_decodes), scale * math.log2(math.e), sliding_window or 0,
         query.stride(0), out.stride(0), block_table.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         **_constexprs(group, head_dim, key_cache, cfg, block_q, query.dtype, sliding_window),
         SPLIT=False,
         SPLIT_Q=1,
-        SKIP_DECODES=skip_decodes,
         FUSE_REDUCE=False,
         SPLITS_PAD=2,
     )
@@ -428,18 +435,17 @@ def split_decode_attention(
     rows = num_decodes * query_len
     assert rows * num_splits <= scratch.m.shape[0]
     group = num_heads // num_kv_heads
-    cfg = tile_config(group, head_dim, max_query_len=1)
+    cfg = tile_config(group, head_dim, max_query_len=1, split=True)
     splits_pad = triton.next_power_of_2(max(num_splits, 2))
     _paged_attention_kernel[(rows, num_kv_heads, num_splits)](
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         decode_req_idx, scratch.m, scratch.l, scratch.acc, scratch.counter,
-        num_decodes, num_heads, num_splits, scale * math.log2(math.e), sliding_window or 0,
+        num_decodes, num_heads, num_splits, 0, scale * math.log2(math.e), sliding_window or 0,
         query.stride(0), out.stride(0), block_table.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         **_constexprs(group, head_dim, key_cache, cfg, 1, query.dtype, sliding_window),
         SPLIT=True,
         SPLIT_Q=query_len,
-        SKIP_DECODES=False,
         FUSE_REDUCE=fuse_reduce,
         SPLITS_PAD=splits_pad,
     )
@@ -477,3 +483,41 @@ def _constexprs(group, head_dim, key_cache, cfg: TileConfig, block_q, dtype, sli
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+
+
+def build_kernels(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int,
+    sliding_window: int | None,
+    split_counts: tuple[int, ...],
+    scratch: SplitScratch,
+    device: torch.device,
+) -> None:
+    """Compile every variant of the kernels a step of this layer shape can launch, by running
+    each once on a few dummy tokens: the main launch with the decode-sized and the
+    prefill-sized tile (``tile_config``), and split-K decode with its reduce at each of
+    ``split_counts``. Called while the engine starts, so that no step meets a variant first
+    and waits over a second for Triton to build it. (CUDA-graph capture builds the graphs'
+    own split counts.) The dummy tensors have the real ones' strides per block and per
+    token, so they take the same specialisations."""
+    group = num_heads // num_kv_heads
+    prefill_len = 16 // group + 1  # max_query_len * group > 16: the prefill-sized tile
+    num_blocks = -(-prefill_len // block_size)
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    block_table = torch.arange(num_blocks, dtype=torch.int32, device=device).view(1, -1)
+    query = torch.zeros(prefill_len, num_heads * head_dim, dtype=dtype, device=device)
+    out = torch.empty_like(query)
+    shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                 scale=head_dim ** -0.5, sliding_window=sliding_window)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    for query_len in (1, prefill_len):
+        paged_attention(out, query, cache[0], cache[1], block_table, i32(query_len), i32(0, query_len),
+                        num_reqs=1, num_tokens=query_len, max_query_len=query_len, **shape)
+    decode_req_idx = i32(0)
+    for num_splits in split_counts:
+        split_decode_attention(out, query, cache[0], cache[1], block_table, i32(1), i32(0, 1), decode_req_idx,
+                               scratch, num_decodes=1, num_splits=num_splits, **shape)
