@@ -129,10 +129,13 @@ def split_decode(out, case, scratch, num_splits, fuse, shape):
 @pytest.mark.parametrize("shape", [QWEN3_06B, dict(num_heads=32, num_kv_heads=8, head_dim=128)], ids=["qwen3_0_6b", "llama_8b"])
 @pytest.mark.parametrize("seq_lens", [[4095], [640], [4095, 1000, 16, 1], [100 + 127 * i for i in range(32)]],
                          ids=["batch1_4k", "batch1_640", "batch4", "batch32"])
-def test_split_k_merge_in_kernel_is_bit_identical_to_the_reduce_launch(shape, seq_lens):
-    """The last-split merge (atomic counter, acquire/release) gives exactly the reduce launch's
-    bf16 output, launch after launch (a race would show as a stale partial now and then), and
-    leaves every counter at zero."""
+def test_split_k_merge_in_kernel_is_repeatable_and_equals_the_reduce_launch(shape, seq_lens):
+    """The last-split merge (atomic counter, acquire/release) gives the same bits launch after
+    launch (a race would show as a stale partial now and then), the reduce launch's bf16
+    output to within one rounding, and leaves every counter at zero. (It is the same
+    arithmetic, compiled in another kernel: with Triton 3.6 on an H100 and an H200 one or two
+    elements of 2,048-16,384 round the other way in two of these cases, the same elements
+    every launch; docs/benchmarks.md.)"""
     from pagelm.backends.triton import paged_attention as pa
     from pagelm.backends.triton.backend import TritonMetadataBuilder
     from test_triton_backend import decode_batch, reference_decode
@@ -145,17 +148,30 @@ def test_split_k_merge_in_kernel_is_bit_identical_to_the_reduce_launch(shape, se
     split_decode(expected, case, scratch, num_splits, False, shape)
     ref = reference_decode(case, **shape, query_len=1).flatten(1)
     torch.testing.assert_close(expected.float(), ref, **BF16_TOL)
+    first = torch.empty_like(expected)
+    split_decode(first, case, scratch, num_splits, True, shape)
+    assert_within_one_rounding(first, expected)
     out = torch.empty_like(expected)
     for _ in range(200):
         out.fill_(float("nan"))
         split_decode(out, case, scratch, num_splits, True, shape)
-        assert torch.equal(out, expected)
+        assert torch.equal(out, first)
     assert not scratch.counter.any()
+
+
+def assert_within_one_rounding(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """bf16 outputs equal but for a last-bit rounding here and there (a stale or missing split
+    would be off by far more)."""
+    diff = (out.float() - expected.float()).abs()
+    one_ulp = expected.float().abs() * 2.0**-7 + 1e-6
+    assert bool((diff <= one_ulp).all()), f"max |d| {diff.max().item():.3g}"
+    assert int((diff > 0).sum()) <= max(2, out.numel() // 1000), int((diff > 0).sum())
 
 
 def test_split_k_merge_in_kernel_replays_in_a_cuda_graph():
     """Captured once at batch 4 with 32 splits, replayed over new queries and lengths written
-    into the captured buffers: each replay equals an eager run with the reduce launch."""
+    into the captured buffers: each replay gives an eager fused run's bits, and the reduce
+    launch's output to within one rounding."""
     from pagelm.backends.triton import paged_attention as pa
     from test_triton_backend import decode_batch
 
@@ -176,10 +192,12 @@ def test_split_k_merge_in_kernel_replays_in_a_cuda_graph():
         case["query"].copy_(new["query"])
         case["seq_lens"].copy_(torch.tensor([4000 - 300 * seed, 17 * seed, 2000, 1], dtype=torch.int32))
         graph.replay()
-        expected = torch.empty_like(out)
+        eager, expected = torch.empty_like(out), torch.empty_like(out)
+        split_decode(eager, case, scratch, num_splits, True, shape)
         split_decode(expected, case, scratch, num_splits, False, shape)
         torch.cuda.synchronize()
-        assert torch.equal(out, expected)
+        assert torch.equal(out, eager)
+        assert_within_one_rounding(out, expected)
         assert not scratch.counter.any()
 
 

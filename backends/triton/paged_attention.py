@@ -39,9 +39,11 @@ every thread's stores are ordered before the release of the atomic); the program
 group's query heads and sets the counter back to 0 for the next launch (the next layer or
 step). So decode attention is one launch, with nothing to reset from the host: it is safe to
 capture in a CUDA graph. (A program that returns early, past its request's query tokens, does
-so in every split of its row, which then never touches its counter.) The merge is the same arithmetic, on the same tile shapes, as
-``_reduce_splits_kernel``, the separate reduce launch, which stays the default until a GPU run
-has checked the fused merge (``PAGELM_SPLIT_REDUCE_FUSION=1`` turns it on).
+so in every split of its row, which then never touches its counter.) The merge is the same
+arithmetic, on the same tile shapes, as ``_reduce_splits_kernel``, the separate reduce launch
+(compiled into another kernel, an element now and then rounds the other way, the same one
+every launch). The reduce launch stays the default: on an H100 the fused merge was 8% slower
+(docs/benchmarks.md); ``PAGELM_SPLIT_REDUCE_FUSION=1`` turns it on.
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ import triton.language as tl
 from pagelm.backends.kernels.common import allow_next_kernel, pdl_supported, wait_for_previous_kernel
 
 # ``PAGELM_SPLIT_REDUCE_FUSION=1``: split-K decode merges its partials in the split kernel's
-# last program instead of a second launch (``_reduce_splits_kernel``). Opt-in until a GPU run
-# has checked it: its atomic counter and barrier order memory across programs, which Triton's
-# CPU interpreter (where it is tested) cannot get wrong; then the default.
+# last program instead of a second launch (``_reduce_splits_kernel``). Opt-in: the GPU runs
+# found it race-free (tests/test_triton_gpu.py) but 8% slower on qwen3-0.6b at batch 1 (its
+# last program merges a group's heads serially; docs/benchmarks.md).
 SPLIT_REDUCE_FUSION_DISABLED = os.environ.get("PAGELM_SPLIT_REDUCE_FUSION", "0").lower() not in (
     "1", "true", "on", "yes"
 )
