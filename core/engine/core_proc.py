@@ -165,15 +165,19 @@ def _decode_command(kind: str, payload) -> tuple:
 
 
 def share_cpu(config: EngineConfig) -> None:
-    """On CPU, leave one core to the API process: idle OpenMP threads spin, and a spinning
-    thread on every core starves the event loop that feeds this one."""
+    """On CPU, leave one core to the API process for short steps: idle OpenMP threads spin,
+    and a spinning thread on every core starves the event loop that feeds this one. Long
+    steps (many prompt tokens) take every core (``pagelm.worker.cpu_threads``)."""
     import os
 
     import torch
 
+    from pagelm.worker.cpu_threads import StepThreads, set_step_threads
+
     if "OMP_NUM_THREADS" in os.environ or config.resolved_device().type != "cpu":
         return
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) - 1)))
+    every_core = torch.get_num_threads()
+    set_step_threads(StepThreads(few=max(1, min(every_core, (os.cpu_count() or 1) - 1)), many=every_core))
 
 
 def use_own_gpu(config: EngineConfig) -> None:

@@ -45,6 +45,7 @@ from pagelm.sample.request_logits import build_logits_row
 from pagelm.sample.sampler import LogprobsTensors
 from pagelm.sampling_params import SamplingParams, num_logprobs
 from pagelm.sched.output import SchedulerOutput
+from pagelm.worker import cpu_threads
 from pagelm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagelm.worker.input_buffers import InputBuffers
 from pagelm.worker.pipeline_stage import PipelineStage
@@ -576,7 +577,7 @@ class ModelRunner:
             return (logits[:n], hidden[:n]) if return_hidden else logits[:n]
         else:
             attn_metadata = self.metadata_builder.build(step.common)
-            with forward_context(ForwardContext(attn_metadata=attn_metadata)):
+            with forward_context(ForwardContext(attn_metadata=attn_metadata)), cpu_threads.forward_threads(len(step.input_ids)):
                 if self.pipeline is not None:
                     hidden = self.pipeline.forward(self.model, step.input_ids, step.positions)
                     if hidden is None:  # an earlier stage: the next one has its output
