@@ -246,11 +246,20 @@ def draw_race_noise(
 ) -> torch.Tensor:
     """``q ~ Exp(1)`` shaped like ``like``, float32, clamped above 0. Seeded rows redraw their
     ``q`` with their own generator, so their token depends only on that generator."""
-    q = torch.empty(like.shape, dtype=torch.float32, device=like.device).exponential_(generator=generator)
+    q = _exponential(like.shape, like.device, generator)
     for row, row_generator in generators.items():
-        q[row].exponential_(generator=row_generator)
+        q[row] = _exponential(like.shape[1:], like.device, row_generator)
     # Exp(1) can round to 0; a 0/0 would be NaN, which argmax treats as the maximum.
     return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def _exponential(shape: torch.Size, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """``Exp(1)`` draws, float32. On the CPU as ``-log(1 - U)``: torch's CPU ``exponential_``
+    transforms one element at a time, and 16 rows of 2,048 took 717 us against 163 us this
+    way, a tenth of a decode step of the demo model served on one core."""
+    if device.type == "cpu":
+        return torch.rand(shape, generator=generator).neg_().log1p_().neg_()
+    return torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=generator)
 
 
 # --------------------------------------------------------------------------------------------
