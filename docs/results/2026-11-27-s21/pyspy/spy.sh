@@ -1,0 +1,3 @@
+M=/tmp/s21/demo_shaped; PORT=$1; OUT=$2
+(pagelm serve $M --port $PORT --attention-backend torch --max-model-len 1024 --max-num-seqs 16 --no-access-log > /tmp/s21/srv_spy.log 2>&1 &); for i in $(seq 1 60); do sleep 2; curl -s localhost:$PORT/v1/models >/dev/null && break; done; CP=$(pgrep -f "pagelm.engine.core_proc")
+(/tmp/vllmcpu/bin/vllm bench serve --backend openai --base-url http://127.0.0.1:$PORT --model $M --dataset-name random --random-input-len 64 --random-output-len 128 --num-prompts 256 --max-concurrency 16 --ignore-eos --num-warmups 2 --seed 0 > /tmp/s21/b_spy.log 2>&1 &); sleep 9; py-spy record -p $CP -d 8 -r 200 -f raw -o $OUT --nonblocking > /dev/null 2>&1; sleep 9; grep "Output token" /tmp/s21/b_spy.log; pkill -f "pagelm serve"; sleep 2
