@@ -178,6 +178,40 @@ def test_a_request_hitting_a_prefix_still_loading_waits_for_it():
     assert second.num_cached_tokens == 16
 
 
+def test_a_schedule_that_raises_after_booking_a_load_leaves_no_stale_load(monkeypatch):
+    """A load is booked in ``allocate_slots`` and handed out by ``take_transfers``; when
+    ``schedule()`` raised between the two, the engine failed every request, yet the next
+    step's transfers still named the failed request's load (into blocks by then free)."""
+    sched = make_scheduler(num_blocks=24, num_cpu_blocks=16, mode="swap", caching=True, max_tokens=32)
+    kv, tier, hasher = sched.kv, sched.kv.offload, make_block_hasher(BS)
+    prefix = list(range(100, 116))  # 4 blocks, in the tier only
+    first = Request("a", prefix + [1, 2], SamplingParams(max_tokens=1, ignore_eos=True), block_hasher=hasher)
+    blocks = kv.pool.get_new_blocks(4)
+    kv.pool.cache_full_blocks(blocks, first.block_hashes[:4])
+    for b, h in zip(blocks, first.block_hashes[:4]):
+        tier.spill(b.block_id, h)
+    tier.take_transfers()
+    kv.pool.free_blocks(blocks)
+    kv.pool.reset_prefix_cache()
+
+    sched.add_request(first)
+    take = kv.take_transfers
+    monkeypatch.setattr(kv, "take_transfers", lambda: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(RuntimeError, match="injected"):
+        sched.schedule()
+    monkeypatch.setattr(kv, "take_transfers", take)
+    assert [r.request_id for r in sched.fail_all()] == ["a"]
+    kv.reset_after_failure()  # what EngineCore.fail_all does next
+
+    other = Request("b", [7, 8, 9], SamplingParams(max_tokens=1, ignore_eos=True), block_hasher=hasher)
+    sched.add_request(other)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"b": 3}
+    assert out.kv_transfers is None or not out.kv_transfers.loads
+    assert tier.num_free_blocks == tier.pool.num_blocks  # the load's sources went back too
+    assert kv.num_free_blocks == kv.num_blocks - len(kv.req_to_blocks["b"])
+
+
 def test_random_runs_with_late_loads_keep_both_pools_consistent():
     """Long random runs (arrivals sharing prefixes, aborts aimed at loading requests, a tight
     pool, loads landing 0-3 steps late) check both pools' books after every step; together

@@ -368,9 +368,7 @@ class EngineCore:
             self._batch_queue.clear()
         self.runner.drop_in_flight()
         failed = self.scheduler.fail_all()
-        self.kv_cache_manager.pool.reset_prefix_cache()
-        if self.kv_cache_manager.offload is not None:
-            self.kv_cache_manager.offload.reset()
+        self.kv_cache_manager.reset_after_failure()
         self._forget_finished(failed)
         return [EngineCoreOutput(r.request_id, [], finish_reason="error", error=error) for r in failed]
 

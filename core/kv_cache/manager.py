@@ -189,6 +189,16 @@ class KVCacheManager:
             transfers.loads, self._loads = self._loads, []
         return transfers
 
+    def reset_after_failure(self) -> None:
+        """After a failed step, once every request is freed: forget the prefix cache (it may
+        name blocks whose KV was never written), the tier's queued copies, and loads booked
+        by a ``schedule()`` that raised before ``take_transfers`` (their requests are gone;
+        copying them later would write into blocks someone else may hold by then)."""
+        self._loads.clear()
+        self.pool.reset_prefix_cache()
+        if self.offload is not None:
+            self.offload.reset()
+
     def loads_landed(self, request_ids: list[str]) -> None:
         """The runner reports these loads from the tier landed: the tier may reuse their sources."""
         if self.offload is not None:
