@@ -46,14 +46,18 @@ def test_ngram_drafts_under_tp2_give_the_one_rank_tokens(llama_dir):
     assert _drafted(two) > 0 and sum(o.metrics.spec_num_accepted_tokens for o in two) > 0
 
 
-def test_eagle_drafts_under_tp2_give_the_one_rank_tokens(llama_dir, tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_eagle_drafts_under_tp2_give_the_one_rank_tokens(llama_dir, tmp_path, async_scheduling):
     # The head's decoder layer is split over the ranks like the target's; it shares the
     # target's vocabulary-parallel embedding and LM head, so both ranks run every draft pass.
+    # With async scheduling, steps where nobody drafts run ahead, and the other rank keeps
+    # them in flight as rank 0 does: its head's passes must meet rank 0's all the same.
     train_eagle_head(llama_dir, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
     eagle = {"method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "head")}
     one = _generate(llama_dir, REPEATING, GREEDY)
     one_eagle = _generate(llama_dir, REPEATING, GREEDY, speculative_config=eagle)
-    two = _generate(llama_dir, REPEATING, GREEDY, tensor_parallel_size=2, speculative_config=eagle)
+    two = _generate(llama_dir, REPEATING, GREEDY, tensor_parallel_size=2, speculative_config=eagle,
+                    async_scheduling=async_scheduling)
     assert _ids(two) == _ids(one) == _ids(one_eagle)
     assert _drafted(two) > 0
     # Rank 0's drafts are the one-rank head's: the same acceptance, request by request.

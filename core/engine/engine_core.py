@@ -395,24 +395,28 @@ class EngineCore:
         if self._in_flight is not None and self.runner.may_draft_next():
             # Speculative decoding: the drafts of the step about to be scheduled come from the
             # proposal after the step in flight, so that one is finished first.
-            outputs = self._finish(self._in_flight)
-            self._in_flight = None
+            outputs = self._finish_in_flight()
         sched_out = self._schedule()
         guided = bool(sched_out.structured_output_request_ids)
-        # Launched also when nothing is scheduled: the runner drops finished requests' state.
-        # The other ranks get every step, run ahead or not, in the order rank 0 launches them;
-        # a guided step goes with its bitmask, which needs the previous step's tokens.
-        if self.executor is not None:
-            if guided and self._in_flight is not None:
-                outputs += self._finish(self._in_flight)
-                self._in_flight = None
-            freeze_grammar_bitmask(sched_out)
-            self._on_other_ranks("step", encode_scheduler_output(sched_out))
         run_ahead = (
             self.async_scheduling and not sched_out.is_empty and not sched_out.needs_previous_tokens
             and not sched_out.scheduled_spec_decode_tokens  # verification runs synchronously
             and not (guided and self.executor is not None)  # its bitmask is collected already
         )
+        # Launched also when nothing is scheduled: the runner drops finished requests' state.
+        # The other ranks get every step, run ahead or not, in the order rank 0 launches them;
+        # a guided step goes with its bitmask, which needs the previous step's tokens.
+        if self.executor is not None:
+            if guided and self._in_flight is not None:
+                outputs += self._finish_in_flight()
+            freeze_grammar_bitmask(sched_out)
+            # With how rank 0 runs it, so that every rank launches and finishes its steps in
+            # the same order (``run_worker``): a rank that finished each step before taking
+            # the next would leave its GPU idle while it prepares the next, and rank 0's GPU
+            # waiting for it in the step's first all-reduce.
+            self._on_other_ranks(
+                "step", encode_scheduler_output(sched_out), run_ahead, run_ahead and self._in_flight is not None
+            )
         if run_ahead:
             # A guided step's bitmask needs the previous step's tokens: its forward pass is
             # queued now, its sampling in the next launch or the next _finish.
@@ -463,6 +467,15 @@ class EngineCore:
             for new in sched_out.scheduled_new_reqs:
                 self._first_scheduled.setdefault(new.req_id, now)
         return sched_out
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        """Finish the step in flight before the next one is scheduled. The other ranks of a
+        tensor-parallel group finish theirs with it: a proposer drafts when its step is
+        finished, and its passes' collectives must meet theirs."""
+        if self.executor is not None and self._batch_queue is None:
+            self._on_other_ranks("finish")
+        pending, self._in_flight = self._in_flight, None
+        return self._finish(pending)
 
     def _finish(self, pending: PendingStep) -> list[EngineCoreOutput]:
         """Wait for a launched step's tokens and account for them (an empty step too: it

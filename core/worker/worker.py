@@ -111,6 +111,8 @@ def run_worker(
         runner, layers = load_runner(config, hf_config, device, getattr(torch, dtype), frozenset(eos), max_model_len)
         # Pipeline parallelism: the steps launched and not finished, oldest first.
         in_flight = deque() if config.pipeline_parallel_size > 1 else None
+        # Otherwise the step launched and not finished (rank 0 ran it ahead).
+        pending: PendingStep | None = None
         while True:
             try:
                 kind, *args = msgpack.unpackb(recv(), strict_map_key=False)
@@ -119,8 +121,14 @@ def run_worker(
             if kind == "shutdown":
                 return
             if kind == "step" and in_flight is None:
-                runner.finish(runner.launch(decode_scheduler_output(args[0])))
-            elif kind == "step":  # pipeline: launched now, finished by its own message
+                pending = run_step(runner, pending, decode_scheduler_output(args[0]), *args[1:])
+                continue
+            if pending is not None:  # rank 0 finishes its step in flight before anything else
+                runner.finish(pending)
+                pending = None
+            if kind == "finish" and in_flight is None:  # that was rank 0's finish
+                continue
+            if kind == "step":  # pipeline: launched now, finished by its own message
                 oldest = in_flight[0] if args[1] else None  # finished next: sampled inside this launch
                 in_flight.append(runner.launch(decode_scheduler_output(args[0]), defer_sampling=True, sample_first=oldest))
             elif kind == "finish":
@@ -142,6 +150,26 @@ def run_worker(
         if runner is not None:
             runner.release_cuda_graphs()  # before NCCL's teardown, which waits for them
         destroy_distributed()
+
+
+def run_step(
+    runner: ModelRunner, previous: PendingStep | None, sched, run_ahead: bool = False, previous_in_flight: bool = False
+) -> PendingStep | None:
+    """One step on a rank of a tensor-parallel group, in rank 0's order (``EngineCore._step``):
+    a step run ahead is launched before the previous one is finished and stays in flight; any
+    other is launched once the previous one is finished, and finished at once. Returns the
+    step left in flight. (Every rank keeps the same order: a proposer's collectives happen
+    when its step is finished, and the collectives of all ranks must match.)"""
+    if previous is not None and not previous_in_flight:
+        runner.finish(previous)
+        previous = None
+    launched = runner.launch(sched)
+    if previous is not None:
+        runner.finish(previous)
+    if run_ahead:
+        return launched
+    runner.finish(launched)
+    return None
 
 
 def finish_pipelined(runner: ModelRunner, pending: PendingStep):
