@@ -10,6 +10,7 @@ given kernel modules imported under it (on CUDA: as they are).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from collections.abc import Iterator
@@ -22,10 +23,18 @@ def interpret_triton(mp) -> None:
     as if it had been set before Triton was first imported. ``mp`` is a
     ``pytest.MonkeyPatch``: leaving its context undoes both."""
     import triton.language as tl
+    from triton.runtime import interpreter
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     mp.setenv("TRITON_INTERPRET", "1")
+    # The interpreter checks every integer add and multiply for int32 overflow (a compiled
+    # kernel does only with debug=True): a third of an interpreted paged-attention run, and
+    # test shapes index far below 2**31.
+    mp.setattr(
+        interpreter.interpreter_builder, "options",
+        dataclasses.replace(interpreter.interpreter_builder.options, sanitize_overflow=False),
+    )
     rebuilt = {}
     for module in (tl.standard, tl):
         for name, value in list(vars(module).items()):
