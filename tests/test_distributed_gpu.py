@@ -81,6 +81,27 @@ def test_pp2_eagle_with_cuda_graphs_greedy_identical_to_one_gpu_eager(make_model
     assert sum(o.metrics.spec_num_draft_tokens for o in outs) > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tp2_eagle_with_cuda_graphs_and_async_scheduling_greedy_identical_to_one_gpu_eager(make_model, arch, tmp_path):
+    """Both ranks run the head's passes (split like the target's layers) under CUDA graphs and
+    async scheduling, the defaults on CUDA: steps where nobody drafts run ahead, and the other
+    rank keeps them in flight and finishes them in rank 0's order (it hung in the head's first
+    all-reduce before). Tokens = one eager GPU without drafts."""
+    from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
+
+    model_dir = make_model(f"gpu2_{arch}", arch)
+    train_eagle_head(model_dir, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
+    spec = {"method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "head")}
+    prompts = PROMPTS + [{"prompt_token_ids": [40, 41, 42, 43] * 5}, {"prompt_token_ids": [9, 8] * 7}]
+    want = _run(model_dir, "float32", prompts=prompts, enforce_eager=True)
+    with LLM(str(model_dir), device="cuda", dtype="float32", gpu_memory_utilization=0.3, tensor_parallel_size=2,
+             enforce_eager=False, speculative_config=spec) as llm:
+        assert llm.engine.core.async_scheduling
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.metrics.spec_num_draft_tokens for o in outs) > 0
+
+
 def test_real_shape_bf16_pp2_identical_and_tp2_first_divergence(make_model):
     model_dir = make_model("gpu2_qwen3_0.6b_shapes", "qwen3", dtype=torch.bfloat16, **QWEN3_0_6B_SHAPES)
     one = _run(model_dir, "bfloat16")
