@@ -67,18 +67,7 @@ def test_pp2_eagle_with_cuda_graphs_greedy_identical_to_one_gpu_eager(make_model
     """The EAGLE head on the last stage proposes from graph-replayed decode steps (their
     inputs rebuilt from the host, the block-table rows kept at launch) and sends its drafts
     to rank 0; drafts are verified eagerly. Tokens = one eager GPU without drafts."""
-    from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
-
-    model_dir = make_model(f"gpu2_{arch}", arch)
-    train_eagle_head(model_dir, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
-    spec = {"method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "head")}
-    prompts = PROMPTS + [{"prompt_token_ids": [40, 41, 42, 43] * 5}, {"prompt_token_ids": [9, 8] * 7}]
-    want = _run(model_dir, "float32", prompts=prompts, enforce_eager=True)
-    with LLM(str(model_dir), device="cuda", dtype="float32", gpu_memory_utilization=0.3, pipeline_parallel_size=2,
-             enforce_eager=False, speculative_config=spec) as llm:
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == want
-    assert sum(o.metrics.spec_num_draft_tokens for o in outs) > 0
+    _eagle_with_graphs_equals_one_gpu_eager(make_model(f"gpu2_{arch}", arch), tmp_path, pipeline_parallel_size=2)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -87,19 +76,26 @@ def test_tp2_eagle_with_cuda_graphs_and_async_scheduling_greedy_identical_to_one
     async scheduling, the defaults on CUDA: steps where nobody drafts run ahead, and the other
     rank keeps them in flight and finishes them in rank 0's order (it hung in the head's first
     all-reduce before). Tokens = one eager GPU without drafts."""
+    assert _eagle_with_graphs_equals_one_gpu_eager(make_model(f"gpu2_{arch}", arch), tmp_path, tensor_parallel_size=2)
+
+
+def _eagle_with_graphs_equals_one_gpu_eager(model_dir, tmp_path, **parallel) -> bool:
+    """An untrained EAGLE head (k=2) drafting under ``parallel`` with CUDA graphs gives the
+    tokens of one eager GPU without drafts, and drafts; returns whether the engine ran with
+    async scheduling."""
     from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
 
-    model_dir = make_model(f"gpu2_{arch}", arch)
     train_eagle_head(model_dir, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
     spec = {"method": "eagle", "num_speculative_tokens": 2, "model": str(tmp_path / "head")}
     prompts = PROMPTS + [{"prompt_token_ids": [40, 41, 42, 43] * 5}, {"prompt_token_ids": [9, 8] * 7}]
     want = _run(model_dir, "float32", prompts=prompts, enforce_eager=True)
-    with LLM(str(model_dir), device="cuda", dtype="float32", gpu_memory_utilization=0.3, tensor_parallel_size=2,
-             enforce_eager=False, speculative_config=spec) as llm:
-        assert llm.engine.core.async_scheduling
+    with LLM(str(model_dir), device="cuda", dtype="float32", gpu_memory_utilization=0.3, enforce_eager=False,
+             speculative_config=spec, **parallel) as llm:
+        async_scheduling = llm.engine.core.async_scheduling
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert sum(o.metrics.spec_num_draft_tokens for o in outs) > 0
+    return async_scheduling
 
 
 def test_real_shape_bf16_pp2_identical_and_tp2_first_divergence(make_model):
