@@ -19,7 +19,8 @@ KERNELS = {
     "rms_norm": "rms_norm(x, weight, eps, residual) -> (normed, x + residual)  (pagelm.models.ops)",
     "rotary_embedding": "rotary_embedding(positions, q, k, cos_sin_cache, head_dim, rotary_dim, qk_norm=None)",
     "silu_and_mul": "silu_and_mul(x) -> silu(gate) * up",
-    "gemv": "gemv(x, weight, bias, silu_input=False, norm=None): one-row linear, optional prologues",
+    "gemv": "gemv(x, weight, bias, silu_input=False, norm=None, prefetch=None): one-row linear, optional "
+    "prologues; prefetch (2.20, optional): the next projection's weight, a hint",
     "apply_token_bitmask": "apply_token_bitmask(logits, bitmask, rows) in place  (pagelm.sample.bitmask)",
     "exponential_race": "exponential_race(logits, noise, temperature, bitmask) -> ids  (the sampler)",
     "derive_step_inputs": "derive_step_inputs(staging, block_table, input_ids, ...)  (decode graphs)",

@@ -149,13 +149,17 @@ class Linear(nn.Module):
     """``y = x W^T + b`` with parameters left uninitialised (the loader fills every one, so
     a random init would only cost time on big models)."""
 
+    # The weight of the projection that runs next (``link_weight_prefetch``), which a batch-1
+    # GEMV may pull into L2 while it reads its own.
+    prefetch_next: torch.Tensor | None = None
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias, prefetch=self.prefetch_next)
 
     def forward_normed(
         self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
@@ -163,9 +167,24 @@ class Linear(nn.Module):
         """``self(norm(x, residual)[0])`` and the next residual: the decoder norm that feeds
         this projection runs inside it (one kernel at batch 1) when it is an ``RMSNorm``."""
         if isinstance(norm, RMSNorm):
-            return ops.rms_norm_linear(x, norm.weight, norm.eps, residual, self.weight, self.bias)
+            return ops.rms_norm_linear(
+                x, norm.weight, norm.eps, residual, self.weight, self.bias, prefetch=self.prefetch_next
+            )
         normed, residual = norm(x, residual)
         return self(normed), residual
+
+
+def link_weight_prefetch(model: nn.Module) -> None:
+    """Point every projection at the weight of the projection registered after it (the LM
+    head after the last layer's down projection): in the decoder models registration order is
+    the order a decode step runs them, so a batch-1 GEMV can pull the next weight into L2
+    while it reads its own. A wrong link would only prefetch bytes nobody reads next. The
+    parameter is held as a plain attribute (not registered twice), so a weight replaced in
+    place (``param.data = ...``) is followed."""
+    projections = [m for m in model.modules() if isinstance(m, (Linear, ParallelLMHead))]
+    for current, following in zip(projections, projections[1:]):
+        if isinstance(current, Linear):
+            object.__setattr__(current, "prefetch_next", following.weight)
 
 
 class FusedColumnLinear(Linear):
@@ -273,8 +292,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if parallel_state().tp_size == 1:
-            return ops.linear(x, self.weight, self.bias)
-        return self.reduce(ops.linear(x, self.weight, None))
+            return ops.linear(x, self.weight, self.bias, prefetch=self.prefetch_next)
+        return self.reduce(ops.linear(x, self.weight, None, prefetch=self.prefetch_next))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The layer's output from this rank's partial product (computed without the bias)."""

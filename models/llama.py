@@ -131,8 +131,8 @@ class LlamaMLP(nn.Module):
         gate_up, residual = self.gate_up_proj.forward_normed(input_norm, hidden_states, residual)
         d = self.down_proj
         if parallel_state().tp_size == 1:
-            return ops.silu_and_mul_linear(gate_up, d.weight, d.bias), residual
-        return d.reduce(ops.silu_and_mul_linear(gate_up, d.weight, None)), residual
+            return ops.silu_and_mul_linear(gate_up, d.weight, d.bias, prefetch=d.prefetch_next), residual
+        return d.reduce(ops.silu_and_mul_linear(gate_up, d.weight, None, prefetch=d.prefetch_next)), residual
 
 
 class LlamaDecoderLayer(nn.Module):

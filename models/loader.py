@@ -19,6 +19,7 @@ from transformers import PretrainedConfig
 from pagelm.config import EngineConfig
 from pagelm.model_loader import ModelLoader
 from pagelm.models.hub import resolve_model
+from pagelm.models.layers import link_weight_prefetch
 from pagelm.plugin_manager import get_plugin_manager
 
 
@@ -38,6 +39,7 @@ class SafetensorsLoader(ModelLoader):
         missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
         if missing:
             raise ValueError(f"weights missing from {path}: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        link_weight_prefetch(model)
         return model.eval()
 
 
@@ -48,6 +50,7 @@ class DummyLoader(SafetensorsLoader):
     def load(cls, config: EngineConfig, hf_config: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
         model = _build(hf_config, device, dtype)
         _init_dummy(model, seed=config.seed)
+        link_weight_prefetch(model)
         return model.eval()
 
 

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 from pagelm.models import ops  # noqa: E402
 from pagelm.attention import AttentionImpl, ForwardContext, attention_layers, forward_context  # noqa: E402
 from pagelm.models import Qwen3ForCausalLM  # noqa: E402
+from pagelm.models.layers import link_weight_prefetch  # noqa: E402
 from pagelm.models.ops import reference  # noqa: E402
 from triton_interpreter import interpreted_kernels  # noqa: E402
 
@@ -398,6 +399,47 @@ def test_bf16_single_token_forward_through_the_gemv_prologues_matches_the_refere
     torch.testing.assert_close(fused_logits, reference_logits, atol=0.05, rtol=0.02)
 
 
+@torch.no_grad()
+def test_each_projection_prefetches_the_weight_the_next_projection_reads(monkeypatch):
+    """``link_weight_prefetch``: in a batch-1 forward every GEMV is handed the weight of the
+    GEMV after it (qkv -> o -> gate_up -> down -> next layer's qkv -> ... -> LM head), the LM
+    head none; linking registers no parameter."""
+    model = tiny_qwen3()
+    for param in model.parameters():
+        param.data = param.data.to(torch.bfloat16)
+    names = [name for name, _ in model.named_parameters()]
+    link_weight_prefetch(model)
+    assert [name for name, _ in model.named_parameters()] == names
+    calls = []
+    real_gemv = importlib.import_module("pagelm.backends.kernels.gemv").gemv
+    monkeypatch.setattr(
+        "pagelm.backends.kernels.gemv.gemv", lambda *a, **k: calls.append((a[1], k.get("prefetch"))) or real_gemv(*a, **k)
+    )
+    monkeypatch.setattr(ops, "fused_ops_enabled", lambda x: True)
+    with forward_context(ForwardContext(attn_metadata=None)):
+        model.compute_logits(model(torch.tensor([5], device=DEVICE), torch.tensor([0], device=DEVICE)))
+    weights = [weight for weight, _ in calls]
+    assert len(weights) == 2 * 4 + 1 and weights[-1] is model.lm_head.weight
+    assert weights[:4] == [model.model.layers[0].self_attn.qkv_proj.weight, model.model.layers[0].self_attn.o_proj.weight,
+                           model.model.layers[0].mlp.gate_up_proj.weight, model.model.layers[0].mlp.down_proj.weight]
+    assert [prefetch for _, prefetch in calls] == weights[1:] + [None]
+
+
+def test_a_gemv_kernel_registered_without_prefetch_is_called_without_it():
+    """Plugin API 2.20 added ``prefetch`` to the GEMV's call; a kernel written before keeps
+    working."""
+    def before_2_20(x, weight, bias=None, *, silu_input=False, norm=None):
+        pass
+
+    def since_2_20(x, weight, bias=None, *, silu_input=False, norm=None, prefetch=None):
+        pass
+
+    following = torch.zeros(4, 4)
+    assert ops._prefetch_kwargs(before_2_20, following) == {}
+    assert ops._prefetch_kwargs(since_2_20, following)["prefetch"] is following
+    assert ops._prefetch_kwargs(since_2_20, None) == {}
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA, at model sizes, through the default dispatch
 # ---------------------------------------------------------------------------------------------
@@ -480,3 +522,23 @@ def test_gpu_ops_replay_in_a_cuda_graph():
     assert_matches(q, expected_q)
     assert_matches(k, expected_k)
     assert torch.equal(outputs[2], expected_act)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch_bytes", [2**20, 2**30])
+def test_gpu_gemv_prefetching_the_next_weight_gives_the_same_bits(monkeypatch, prefetch_bytes):
+    """The L2 prefetch is a hint: the product is bit-identical with it, eagerly and replayed
+    in a CUDA graph, whether it covers part of the next weight or all of it (and the weight
+    is not a multiple of the programs' shares)."""
+    gemv_module = importlib.import_module("pagelm.backends.kernels.gemv")
+    x, weight = randn(1, 2048, dtype=torch.bfloat16), randn(1000, 2048, dtype=torch.bfloat16, seed=1)
+    following = randn(4099, 1024, dtype=torch.bfloat16, seed=2)
+    expected = gemv_module.gemv(x, weight)
+    monkeypatch.setattr(gemv_module, "L2_PREFETCH_BYTES", prefetch_bytes)
+    assert torch.equal(gemv_module.gemv(x, weight, prefetch=following), expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv_module.gemv(x, weight, prefetch=following)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)

@@ -150,6 +150,7 @@ def test_random_rows_and_guided_rows_go_through_the_one_kernel_race(llama_dir, m
     """On CUDA, random rows with nothing but a temperature are sampled by one Triton kernel
     (``pagelm.backends.kernels.race``); guided rows too, with their bitmask, sampled under async
     scheduling once their grammars have caught up: outputs match the constraint."""
+    pytest.importorskip("xgrammar")  # the guided requests' grammar backend
     import re
 
     from pagelm import GuidedDecodingParams
@@ -182,6 +183,7 @@ def test_random_rows_and_guided_rows_go_through_the_one_kernel_race(llama_dir, m
 def test_guided_requests_verify_ngram_drafts_on_cuda_with_the_same_tokens(llama_dir):
     """Guided requests with n-gram drafts on CUDA (verification graphs, the bitmask applied
     to the draft rows): greedy tokens equal to the same guided requests without drafts."""
+    pytest.importorskip("xgrammar")  # the guided requests' grammar backend
     import re
 
     from pagelm import GuidedDecodingParams

@@ -22,9 +22,23 @@ Two prologues fuse the op that feeds a projection into it, one launch fewer each
 ``silu(gate) * up`` while loading it (the MLP's down projection); ``norm`` applies the
 decoder's RMSNorm, with its residual add, to ``x`` (the qkv and gate_up projections). Both
 round where the separate ops round, so the operand is bit-identical to theirs.
+
+``prefetch`` names the weight the *next* projection will read (the model links each
+projection to the one after it, ``pagelm.models.layers.link_weight_prefetch``): each program
+asks the copy engine to pull its share of the first ``PAGELM_L2_PREFETCH_MB`` (default 1) of
+that weight into L2 (``cp.async.bulk.prefetch.L2``, Hopper) and goes on, so the next kernel's
+first wave of loads hits L2 instead of waiting on HBM. Only a kernel with a small weight of
+its own does it: those are latency-bound and leave HBM idle, where a large one is already
+at bandwidth and the extra reads only slow it. Measured on an H100 at batch 1: qwen3-0.6b
+1,016 -> 1,036 tok/s with 1 MB (prefetching whole weights, 16 MB, was 6% *slower*: the reads
+it adds delay the kernel issuing them more than L2 hits save the next; a chain of the 0.6B's
+GEMVs over weights already in L2 is only 12% faster than over HBM: the kernels' fixed costs,
+not the reads, are most of their time).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -33,6 +47,26 @@ from triton.language.extra import libdevice
 
 from pagelm.backends.kernels.common import allow_next_kernel, is_interpreted, pdl_supported, round_to, wait_for_previous_kernel
 
+# The most bytes of the next projection's weight one GEMV pulls into L2 (0: none), and the
+# largest weight of its own with which a GEMV prefetches at all.
+L2_PREFETCH_BYTES = int(float(os.environ.get("PAGELM_L2_PREFETCH_MB", "1")) * 2**20) // 16 * 16
+PREFETCH_MAX_WEIGHT_BYTES = 16 * 2**20
+
+
+@triton.jit
+def _prefetch_l2(address, size):
+    """``[address, address + size)`` into L2, asked of the copy engine by the program's first
+    thread; nothing waits for it (sm_90's ``cp.async.bulk.prefetch``: 16-byte aligned, a
+    multiple of 16 bytes)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred pf_first; .reg .u32 pf_tid; mov.u32 pf_tid, %tid.x; setp.eq.u32 pf_first, pf_tid, 0; "
+        "mov.u32 $0, 0; @pf_first cp.async.bulk.prefetch.L2.global [$1], $2; }",
+        "=r,l,r",
+        [address, size],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -44,6 +78,9 @@ def _gemv_kernel(
     residual_ptr,  # NORM with HAS_RESIDUAL: [K], added to x before the norm
     residual_out_ptr,  # NORM with HAS_RESIDUAL: [K], x + residual (the next residual)
     norm_weight_ptr,  # NORM: [K]
+    prefetch_address,  # PREFETCH: the first byte of the next projection's weight
+    prefetch_bytes,  # PREFETCH: how many of its bytes to prefetch, a multiple of 16
+    prefetch_chunk,  # PREFETCH: bytes per program, a multiple of 16
     eps,
     N,
     K,
@@ -52,6 +89,7 @@ def _gemv_kernel(
     SILU_INPUT: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PREFETCH: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -70,6 +108,11 @@ def _gemv_kernel(
         w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None], other=0.0)
     else:
         w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+    if PREFETCH:  # this program's share of the next projection's weight
+        start = tl.program_id(0).to(tl.int64) * prefetch_chunk
+        size = tl.minimum(prefetch_bytes - start, prefetch_chunk)
+        if size > 0:
+            _prefetch_l2(prefetch_address + start, size.to(tl.int32))
     wait_for_previous_kernel(USE_PDL)
     if NORM:  # the row's mean square first (x is tiny: every program reads all of it)
         sum_squares = 0.0
@@ -152,11 +195,13 @@ def gemv(
     silu_input: bool = False,
     norm: tuple[torch.Tensor, float, torch.Tensor | None] | None = None,
     config: tuple[int, int, int] | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x [1, K] @ weight[N, K]^T + bias``. With ``silu_input``, ``x`` is ``[1, 2K]`` and
     ``silu_and_mul(x)`` is the operand. With ``norm=(norm_weight, eps, residual)`` the
     operand is ``rms_norm(x + residual)`` and the result is ``(y, x + residual)``, the sum
-    being the next residual (``x`` itself when ``residual`` is None)."""
+    being the next residual (``x`` itself when ``residual`` is None). ``prefetch``: a
+    contiguous weight to pull into L2 meanwhile (the next projection's; a hint, Hopper only)."""
     n, k = weight.shape
     assert x.shape == (1, 2 * k if silu_input else k), (x.shape, weight.shape, silu_input)
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
@@ -168,7 +213,13 @@ def gemv(
     residual_out = x if residual is None else torch.empty_like(x)
     if residual is not None:
         assert residual.shape == x.shape and residual.stride(-1) == 1
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    num_programs = triton.cdiv(n, block_n)
+    prefetch_bytes = 0
+    own_bytes = weight.numel() * weight.element_size()
+    if prefetch is not None and L2_PREFETCH_BYTES and use_pdl and own_bytes <= PREFETCH_MAX_WEIGHT_BYTES and prefetch.is_contiguous():
+        prefetch_bytes = min(prefetch.numel() * prefetch.element_size(), L2_PREFETCH_BYTES) // 16 * 16
+    prefetch_chunk = (-(-prefetch_bytes // num_programs) + 15) // 16 * 16
+    _gemv_kernel[(num_programs,)](
         y,
         x,
         weight,
@@ -176,6 +227,9 @@ def gemv(
         residual if residual is not None else x,
         residual_out,
         norm_weight,
+        prefetch.data_ptr() if prefetch_bytes else 0,
+        prefetch_bytes,
+        prefetch_chunk,
         eps,
         n,
         k,
@@ -184,6 +238,7 @@ def gemv(
         SILU_INPUT=silu_input,
         NORM=norm is not None,
         HAS_RESIDUAL=residual is not None,
+        PREFETCH=prefetch_bytes > 0,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,

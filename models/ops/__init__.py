@@ -11,7 +11,9 @@ imported on first use, so this package imports without Triton. ``PAGELM_DISABLE_
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import os
 
 import torch
@@ -129,25 +131,48 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, use_triton: bool | None):
     return fused_kernel("gemv") if applies else None
 
 
+def _prefetch_kwargs(gemv, prefetch: torch.Tensor | None) -> dict:
+    """The GEMV's ``prefetch`` argument (plugin API 2.20), passed only when there is a weight
+    to prefetch and the registered kernel takes it: one written before 2.20 still runs."""
+    return {"prefetch": prefetch} if prefetch is not None and _takes_prefetch(gemv) else {}
+
+
+@functools.cache
+def _takes_prefetch(gemv) -> bool:
+    parameters = inspect.signature(gemv).parameters.values()
+    return any(p.name == "prefetch" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, use_triton: bool | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    use_triton: bool | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear``; a single row (batch-1 decode, bf16/fp16) on CUDA takes the Triton GEMV,
-    which reads small weights at close to HBM bandwidth where cuBLAS's tiles do not."""
+    which reads small weights at close to HBM bandwidth where cuBLAS's tiles do not.
+    ``prefetch``: the next projection's weight, which the GEMV may pull into L2 meanwhile."""
     gemv = _gemv(x, weight, use_triton)
     if gemv is not None:
-        return gemv(x, weight, bias)
+        return gemv(x, weight, bias, **_prefetch_kwargs(gemv, prefetch))
     return torch.nn.functional.linear(x, weight, bias)
 
 
 def silu_and_mul_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, use_triton: bool | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    use_triton: bool | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``linear(silu_and_mul(x), weight, bias)``: the MLP's activation and down projection;
     one kernel (the activation computed while loading) where the GEMV applies."""
     gemv = _gemv(x, weight, use_triton)
     if gemv is not None:
-        return gemv(x, weight, bias, silu_input=True)
+        return gemv(x, weight, bias, silu_input=True, **_prefetch_kwargs(gemv, prefetch))
     return linear(silu_and_mul(x, use_triton=use_triton), weight, bias, use_triton=use_triton)
 
 
@@ -160,12 +185,13 @@ def rms_norm_linear(
     bias: torch.Tensor | None = None,
     *,
     use_triton: bool | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``normed, h = rms_norm(x, norm_weight, eps, residual)``; returns ``(linear(normed,
     weight, bias), h)``. One kernel where the GEMV applies (the norm in its prologue)."""
     gemv = _gemv(x, weight, use_triton) if residual is None or residual.stride(-1) == 1 else None
     if gemv is not None:
-        return gemv(x, weight, bias, norm=(norm_weight, eps, residual))
+        return gemv(x, weight, bias, norm=(norm_weight, eps, residual), **_prefetch_kwargs(gemv, prefetch))
     normed, h = rms_norm(x, norm_weight, eps, residual, use_triton=use_triton)
     return linear(normed, weight, bias, use_triton=use_triton), h
 

@@ -13,7 +13,7 @@ from pagelm import hookimpl
 from pagelm.request import Request
 from pagelm.sched.policy import SchedulingPolicy
 
-PAGELM_PLUGIN_API = "2.19"
+PAGELM_PLUGIN_API = "2.20"
 
 
 class PriorityPolicy(SchedulingPolicy):
