@@ -32,7 +32,7 @@ from pagelm.request import Request, RequestStatus
 from pagelm.sched.encoder_cache import EncoderCacheManager
 from pagelm.sched.scheduler import Scheduler
 from pagelm.sched.output import SchedulerOutput
-from pagelm.executor import Executor
+from pagelm.executor import Executor, RankDiedError
 from pagelm.worker.kv_sizing import num_kv_blocks
 from pagelm.worker.pending_step import PendingStep
 from pagelm.worker.worker import encode_scheduler_output, freeze_grammar_bitmask, init_message, load_runner, pack
@@ -93,6 +93,9 @@ class EngineCore:
         # Async scheduling: the step launched and not finished yet (a guided one maybe not
         # sampled yet: ``PendingStep.awaits_sampling``).
         self._in_flight: PendingStep | None = None
+        # Set while the other ranks have been sent a step that rank 0 has not launched yet: a
+        # failure then leaves them inside its collectives, out of step with rank 0 for good.
+        self._others_ahead = False
         # Pipeline parallelism: the steps launched and not finished, oldest first.
         self._batch_queue: deque[PendingStep] | None = deque() if config.pipeline_parallel_size > 1 else None
         logger.info(
@@ -362,11 +365,14 @@ class EngineCore:
     def fail_all(self, error: str) -> list[EngineCoreOutput]:
         """End every request with ``error`` after a step raised (nobody knows which request
         caused it): all blocks go back, and the prefix cache, which may name blocks whose KV
-        was never written, is emptied. The loop serves on."""
+        was never written, is emptied. The loop serves on. The other ranks drop their steps
+        in flight with rank 0's: a rank that finished one instead would run a proposer's
+        collectives alone."""
         self._in_flight = None
         if self._batch_queue is not None:
             self._batch_queue.clear()
         self.runner.drop_in_flight()
+        self._on_other_ranks("drop")
         failed = self.scheduler.fail_all()
         self.kv_cache_manager.reset_after_failure()
         self._forget_finished(failed)
@@ -384,11 +390,27 @@ class EngineCore:
             return self._step()
         try:
             return self._step() if self._batch_queue is None else self._step_pipelined()
-        except Exception:
+        except Exception as exc:
             # A collective that failed because a rank died says only "connection closed":
             # name the rank instead (the RuntimeError chains the original).
             self.executor.check_ranks()
+            if self._others_ahead:
+                # The other ranks are in this step's forward pass, waiting in collectives rank 0
+                # will never join: no later step can meet theirs. Fatal, as a dead rank is (the
+                # loop stops; AsyncLLM starts the engine again).
+                self._others_ahead = False
+                raise RankDiedError(
+                    f"rank 0 failed to launch a step the other ranks had started ({type(exc).__name__}: {exc}); "
+                    "the ranks are out of step"
+                ) from exc
             raise
+
+    def _launch_on_every_rank(self, kind: str, *args) -> None:
+        """Tell the other ranks to launch a step rank 0 launches next (``_others_ahead`` until
+        rank 0's own launch returns)."""
+        if self.executor is not None:
+            self._on_other_ranks(kind, *args)
+            self._others_ahead = True
 
     def _step(self) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
@@ -414,19 +436,22 @@ class EngineCore:
             # the same order (``run_worker``): a rank that finished each step before taking
             # the next would leave its GPU idle while it prepares the next, and rank 0's GPU
             # waiting for it in the step's first all-reduce.
-            self._on_other_ranks(
+            self._launch_on_every_rank(
                 "step", encode_scheduler_output(sched_out), run_ahead, run_ahead and self._in_flight is not None
             )
         if run_ahead:
             # A guided step's bitmask needs the previous step's tokens: its forward pass is
             # queued now, its sampling in the next launch or the next _finish.
             previous, self._in_flight = self._in_flight, self.runner.launch(sched_out, defer_sampling=guided)
+            self._others_ahead = False
             # The device runs the step just launched while the host finishes the previous one.
             return outputs + self._finish(previous) if previous is not None else outputs
         if self._in_flight is not None:  # its tokens are this step's inputs on the host
             outputs += self._finish(self._in_flight)
             self._in_flight = None
-        return outputs + self._finish(self.runner.launch(sched_out))
+        launched = self.runner.launch(sched_out)
+        self._others_ahead = False
+        return outputs + self._finish(launched)
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         """Pipeline parallelism: launch a step over the requests not already in flight, and
@@ -444,9 +469,10 @@ class EngineCore:
             # (sampled after this step's forward pass, the ids reached rank 0 only once the
             # last stage had run both micro-batches, and the first stage waited meanwhile).
             finishes_next = bool(queue) and (sched_out.is_empty or len(queue) + 1 >= self.config.pipeline_parallel_size)
-            self._on_other_ranks("step", encode_scheduler_output(sched_out), finishes_next)
+            self._launch_on_every_rank("step", encode_scheduler_output(sched_out), finishes_next)
             oldest = queue[0] if finishes_next else None
             queue.append(self.runner.launch(sched_out, defer_sampling=True, sample_first=oldest))
+            self._others_ahead = False
             if not sched_out.is_empty and len(queue) < self.config.pipeline_parallel_size:
                 return []
         self._on_other_ranks("finish")

@@ -5,7 +5,8 @@ Rank 0 sends, in order: ``init`` (the config and what rank 0 decided while loadi
 ``size_kv`` (each rank works out what its memory holds; all take the least) / ``kv_cache``
 / ``graphs`` as it makes those runner calls, then one ``step`` per
 step with the ``SchedulerOutput`` (under pipeline parallelism also a ``finish`` when rank 0
-finishes the oldest step in flight), and ``shutdown``. A rank runs each step as rank 0 does
+finishes the oldest step in flight), ``drop`` after a step failed on rank 0 (its steps in
+flight are dropped, as rank 0 drops its own), and ``shutdown``. A rank runs each step as rank 0 does
 and samples the same tokens (same logits after the gather, same seeds), which keeps its
 runner's copy of every request's tokens in step; only rank 0's are returned. Messages are
 msgpack, never pickle.
@@ -122,6 +123,12 @@ def run_worker(
                 return
             if kind == "step" and in_flight is None:
                 pending = run_step(runner, pending, decode_scheduler_output(args[0]), *args[1:])
+                continue
+            if kind == "drop":  # rank 0's step failed: its steps in flight are dropped, not finished
+                pending = None
+                if in_flight is not None:
+                    in_flight.clear()
+                runner.drop_in_flight()
                 continue
             if pending is not None:  # rank 0 finishes its step in flight before anything else
                 runner.finish(pending)
