@@ -528,7 +528,7 @@ def test_engine_greedy_tokens_equal_the_reference_when_the_model_hands_over_qk_n
     make_model, engine_fi, monkeypatch
 ):
     """Qwen3's q/k norm and rotary go to the backend's K/V store (``rotary=``), not the model
-    (with ``PAGELM_ROTARY_KV_FUSION=1``: opt-in until the fused kernel has run on a GPU)."""
+    (the default; ``PAGELM_ROTARY_KV_FUSION=0`` turns it off, so the test sets it on)."""
     from pagelm.models import ops
 
     monkeypatch.setattr(ops, "ROTARY_KV_FUSION_DISABLED", False)

@@ -25,12 +25,12 @@ FUSED_OPS_DISABLED = os.environ.get("PAGELM_DISABLE_FUSED_OPS", "0").lower() in 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 # ``PAGELM_DISABLE_GEMV=1`` keeps decode projections on cuBLAS (to compare the two).
 GEMV_DISABLED = os.environ.get("PAGELM_DISABLE_GEMV", "0").lower() in ("1", "true", "on", "yes")
-# ``PAGELM_ROTARY_KV_FUSION=1`` lets an attention backend run the q/k norm and rotary in its
-# K/V store kernel. Opt-in until a GPU run has checked the fused kernel (it is tested on the
-# CPU under Triton's interpreter, where a GPU-only ordering bug cannot show); then the default.
+# An attention backend that says so (``fuses_rotary``) runs the q/k norm and rotary in its K/V
+# store kernel: one launch fewer per layer. On by default since a GPU run checked the fused
+# kernel with both built-in backends (session 23); ``PAGELM_ROTARY_KV_FUSION=0`` turns it off.
 ROTARY_KV_FUSION_DISABLED = FUSED_OPS_DISABLED or os.environ.get(
-    "PAGELM_ROTARY_KV_FUSION", "0"
-).lower() not in ("1", "true", "on", "yes")
+    "PAGELM_ROTARY_KV_FUSION", "1"
+).lower() in ("0", "false", "off", "no")
 
 
 def fused_ops_enabled(x: torch.Tensor) -> bool:
