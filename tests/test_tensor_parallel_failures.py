@@ -39,6 +39,19 @@ def _add(core, req_id: str) -> None:
     core.add_request(Request(req_id, PROMPT, GREEDY, block_hasher=make_block_hasher(8)))
 
 
+def _fail_schedule_once(core, when) -> None:
+    """Fault injection: rank 0's next ``schedule()`` at which ``when()`` holds raises."""
+    schedule, fired = core.scheduler.schedule, []
+
+    def failing_schedule():
+        if not fired and when():
+            fired.append(1)
+            raise RuntimeError("injected fault")
+        return schedule()
+
+    core.scheduler.schedule = failing_schedule
+
+
 def test_a_step_failing_while_one_is_in_flight_drops_it_on_every_rank(llama_dir, tmp_path):
     """EAGLE, async scheduling: a schedule() that raises while a step run ahead is in flight.
     Rank 0 drops that step; the other rank used to finish it at the next message, running
@@ -50,15 +63,7 @@ def test_a_step_failing_while_one_is_in_flight_drops_it_on_every_rank(llama_dir,
     core = llm.engine.core
     try:
         _add(core, "a")
-        schedule, armed = core.scheduler.schedule, []
-
-        def failing_schedule():  # fault injection: once, with a step in flight
-            if not armed and core._in_flight is not None:
-                armed.append(1)
-                raise RuntimeError("injected fault")
-            return schedule()
-
-        core.scheduler.schedule = failing_schedule
+        _fail_schedule_once(core, when=lambda: core._in_flight is not None)  # with a step in flight
         with pytest.raises(RuntimeError, match="injected fault"):
             _run(core, "a")
         failed = core.fail_all("injected fault")  # what the core loop does
@@ -80,15 +85,7 @@ def test_a_step_failing_with_pipeline_stages_in_flight_drops_them_on_every_rank(
     try:
         _add(core, "a")
         _add(core, "a2")
-        schedule, armed = core.scheduler.schedule, []
-
-        def failing_schedule():
-            if not armed and core._batch_queue:
-                armed.append(1)
-                raise RuntimeError("injected fault")
-            return schedule()
-
-        core.scheduler.schedule = failing_schedule
+        _fail_schedule_once(core, when=lambda: bool(core._batch_queue))  # with steps in the stages
         with pytest.raises(RuntimeError, match="injected fault"):
             _run(core, "a")
         assert sorted(o.request_id for o in core.fail_all("injected fault")) == ["a", "a2"]
