@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 import logging
+import os
 import threading
 import warnings
 
@@ -38,6 +39,10 @@ logger = logging.getLogger(__name__)
 SYMM_MEM_MAX_BYTES = 512 * 1024
 # Seconds shutdown waits for NCCL's destroy_process_group (see destroy_distributed).
 TEARDOWN_TIMEOUT = 10.0
+# The all-reduce of a batch-1 row-parallel projection done inside its GEMV (two ranks,
+# symmetric memory; ``fused_all_reduce_buffers``), for outputs up to this many elements.
+# ``PAGELM_FUSED_ALL_REDUCE=0`` (read when a world is joined) keeps it a kernel of its own.
+FUSED_ALL_REDUCE_MAX_ELEMENTS = 16384
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,10 @@ def parallel_state() -> ParallelState:
 # dtype -> this rank's symmetric-memory buffer (made on first use, in the eager profile run
 # that comes before any CUDA graph is captured); None: the path is off or unavailable.
 _symm_buffers: dict[torch.dtype, torch.Tensor] | None = None
+# (dtype, site) -> the buffers of ``fused_all_reduce_buffers``, or None where they could not
+# be made (made on first use, like _symm_buffers); whether this world fuses at all.
+_fused_buffers: dict[tuple[torch.dtype, int], tuple[torch.Tensor, ...] | None] = {}
+_fused_all_reduce = False
 # Symmetric-memory rendezvous this process has tried, over every world it joined (torch keeps
 # its own count, which no teardown resets: see _symm_histories_agree).
 _symm_rendezvous_count = 0
@@ -94,7 +103,7 @@ def init_distributed(
     collective waiting longer than ``timeout`` seconds raises. A process whose
     ``torch.distributed`` is initialised already (a ``torchrun`` script that called
     ``init_process_group``) keeps that world, which must be this one."""
-    global _state, _symm_buffers, _owns_group
+    global _state, _symm_buffers, _owns_group, _fused_all_reduce
     world_size = tp_size * pp_size
     tp_group = None
     if world_size > 1:
@@ -121,6 +130,8 @@ def init_distributed(
     _state = ParallelState(rank % tp_size, tp_size, rank // tp_size, pp_size, tp_group)
     symm = custom_all_reduce and tp_size > 1 and device.type == "cuda"
     _symm_buffers = {} if symm and _symm_histories_agree(device) else None
+    _fused_buffers.clear()
+    _fused_all_reduce = os.environ.get("PAGELM_FUSED_ALL_REDUCE", "1").lower() not in ("0", "false", "off", "no")
 
 
 def destroy_distributed() -> None:
@@ -135,6 +146,7 @@ def destroy_distributed() -> None:
     process cannot join one)."""
     global _state, _symm_buffers, _owns_group
     _symm_buffers = None
+    _fused_buffers.clear()
     if dist.is_initialized():
         if not _owns_group:
             if _state.tp_group is not None:
@@ -165,6 +177,56 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
             return torch.ops.symm_mem.one_shot_all_reduce_copy(buffer[: x.numel()].view_as(x), x, "sum", _group_name())
     dist.all_reduce(x, group=_state.tp_group)
     return x
+
+
+def fused_all_reduce_buffers(site: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
+    """``(send, send_flags, recv, recv_flags)`` for a batch-1 projection that sums its
+    output over the two tensor-parallel ranks itself (``gemv(all_reduce=...)``
+    in ``pagelm.backends.kernels.gemv``): ``send`` and ``send_flags`` are the other rank's
+    receive buffer and flags, mapped here through symmetric memory. None: the all-reduce
+    stays a kernel of its own (not two ranks, symmetric memory off or unavailable, an
+    output wider than the site's buffer).
+
+    ``site`` picks a buffer set. Two consecutive exchanges must not share one (a rank may
+    write its next tile as soon as it is past an exchange, before the other has read it), so
+    a decoder layer's o_proj uses site 0 and its down_proj site 1: the exchanges alternate through every layer, step after step. A site's buffer is made on its
+    first call, ``max(n, FUSED_ALL_REDUCE_MAX_ELEMENTS)`` wide: a collective (every rank
+    makes the same calls in the same order)."""
+    if _state.tp_size != 2 or _symm_buffers is None or not _fused_all_reduce:
+        return None
+    if (dtype, site) not in _fused_buffers:
+        _fused_buffers[(dtype, site)] = _make_fused_buffers(dtype, max(n, FUSED_ALL_REDUCE_MAX_ELEMENTS))
+    buffers = _fused_buffers[(dtype, site)]
+    return None if buffers is None or buffers[0].numel() < n else buffers
+
+
+def _make_fused_buffers(dtype: torch.dtype, capacity: int) -> tuple[torch.Tensor, ...] | None:
+    """One site's buffers: a symmetric allocation per rank holding ``capacity`` values it
+    receives and as many int32 flags (one per GEMV program needs fewer), the flags down
+    before the other rank can see them."""
+    global _symm_rendezvous_count
+    data_bytes = -(-capacity * dtype.itemsize // 16) * 16
+    device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9
+                symm_mem.enable_symm_mem_for_group(_group_name())
+            local = symm_mem.empty(data_bytes + capacity * 4, dtype=torch.uint8, device=device)
+            local[data_bytes:].zero_()
+            torch.cuda.synchronize(device)
+            _symm_rendezvous_count += 1
+            handle = symm_mem.rendezvous(local, _group_name())
+        peer = 1 - handle.rank
+        send = handle.get_buffer(peer, (capacity,), dtype)
+        send_flags = handle.get_buffer(peer, (capacity,), torch.int32, data_bytes // 4)
+    except Exception as e:  # no P2P between the GPUs, an old torch: a kernel of its own
+        logger.warning("fused all-reduce unavailable (%s); collectives stay kernels of their own", e)
+        return None
+    recv = local[:data_bytes].view(dtype)[:capacity]
+    return send, send_flags, recv, local[data_bytes:].view(torch.int32)
 
 
 def _group_name() -> str:
@@ -212,12 +274,20 @@ def _symm_buffer(dtype: torch.dtype, device: torch.device) -> torch.Tensor | Non
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """This stage's tensor-parallel ranks' ``x`` concatenated along ``dim``, in rank order."""
+    """This stage's tensor-parallel ranks' ``x`` concatenated along ``dim``, in rank order.
+    Gathered into one ``[tp, *x.shape]`` tensor and moved into place: a view when every dim
+    before ``dim`` has size 1 (a batch-1 decode step's logits), one copy otherwise (a list
+    of parts and ``torch.cat`` cost NCCL's copy-out of each part and the cat's copy)."""
     if _state.tp_size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_state.tp_size)]
-    dist.all_gather(parts, x.contiguous(), group=_state.tp_group)
-    return torch.cat(parts, dim=dim)
+    x = x.contiguous()
+    # Concatenated along dim 0 (the layout every backend takes, gloo too), read as stacked.
+    out = torch.empty((_state.tp_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=_state.tp_group)
+    out = out.view(_state.tp_size, *x.shape)
+    dim = dim % x.dim()
+    shape = (*x.shape[:dim], _state.tp_size * x.shape[dim], *x.shape[dim + 1 :])
+    return out.movedim(0, dim).reshape(shape)
 
 
 def min_over_ranks(value: int, device: torch.device) -> int:

@@ -19,8 +19,9 @@ KERNELS = {
     "rms_norm": "rms_norm(x, weight, eps, residual) -> (normed, x + residual)  (pagelm.models.ops)",
     "rotary_embedding": "rotary_embedding(positions, q, k, cos_sin_cache, head_dim, rotary_dim, qk_norm=None)",
     "silu_and_mul": "silu_and_mul(x) -> silu(gate) * up",
-    "gemv": "gemv(x, weight, bias, silu_input=False, norm=None, prefetch=None): one-row linear, optional "
-    "prologues; prefetch (2.20, optional): the next projection's weight, a hint",
+    "gemv": "gemv(x, weight, bias, silu_input=False, norm=None, prefetch=None, all_reduce=None): one-row "
+    "linear, optional prologues; prefetch (2.20, optional): the next projection's weight, a hint; "
+    "all_reduce (2.21, optional): sum the output over two tensor-parallel ranks through these buffers",
     "apply_token_bitmask": "apply_token_bitmask(logits, bitmask, rows) in place  (pagelm.sample.bitmask)",
     "exponential_race": "exponential_race(logits, noise, temperature, bitmask) -> ids  (the sampler)",
     "derive_step_inputs": "derive_step_inputs(staging, block_table, input_ids, ...)  (decode graphs)",

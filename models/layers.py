@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagelm.distributed import all_gather, all_reduce, parallel_state
+from pagelm.distributed import all_gather, all_reduce, fused_all_reduce_buffers, parallel_state
 from pagelm.models import ops
 from pagelm.models.weights import default_weight_loader
 
@@ -277,14 +277,20 @@ class MergedColumnLinear(FusedColumnLinear):
 class RowParallelLinear(Linear):
     """A projection whose input features are split over the ranks (``o_proj``, ``down_proj``,
     after a column-parallel one): each rank multiplies its slice, the partial sums are
-    all-reduced, and the bias is added once, after the sum."""
+    all-reduced, and the bias is added once, after the sum.
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    At batch 1 over two ranks the GEMV does the all-reduce itself (each of its programs trades
+    its tile with the other rank's: no all-reduce kernel, no barrier between kernels).
+    ``reduce_site`` (0 or 1) picks that exchange's buffers; consecutive row-parallel
+    projections must alternate (a decoder layer's o_proj 0, its down_proj 1)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_site: int = 0) -> None:
         tp = parallel_state().tp_size
         if input_size % tp:
             raise ValueError(f"input size {input_size} does not split over tensor_parallel_size={tp}")
         super().__init__(input_size // tp, output_size, bias)
         self.weight.weight_loader = self.weight_loader
+        self.reduce_site = reduce_site
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         size = param.shape[1]
@@ -293,7 +299,18 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if parallel_state().tp_size == 1:
             return ops.linear(x, self.weight, self.bias, prefetch=self.prefetch_next)
-        return self.reduce(ops.linear(x, self.weight, None, prefetch=self.prefetch_next))
+        return self.project_and_reduce(x)
+
+    def project_and_reduce(self, x: torch.Tensor, silu_input: bool = False) -> torch.Tensor:
+        """The layer's output over every rank from this rank's input slice (with
+        ``silu_input``, ``x`` is the ``[gate | up]`` activation and ``silu(gate) * up`` the
+        operand): the all-reduce inside the GEMV where it can be, else after it."""
+        project = ops.silu_and_mul_linear if silu_input else ops.linear
+        if self.bias is None and ops.fuses_all_reduce(x, self.weight):
+            buffers = fused_all_reduce_buffers(self.reduce_site, self.weight.shape[0], x.dtype)
+            if buffers is not None:
+                return project(x, self.weight, None, prefetch=self.prefetch_next, all_reduce=buffers)
+        return self.reduce(project(x, self.weight, None, prefetch=self.prefetch_next))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The layer's output from this rank's partial product (computed without the bias)."""

@@ -121,7 +121,8 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {hidden_act!r}: only silu is implemented")
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedColumnLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        # Site 1: the all-reduces of o_proj (site 0) and down_proj alternate (RowParallelLinear).
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, reduce_site=1)
 
     def forward(
         self, hidden_states: torch.Tensor, residual: torch.Tensor, input_norm: nn.Module
@@ -132,7 +133,7 @@ class LlamaMLP(nn.Module):
         d = self.down_proj
         if parallel_state().tp_size == 1:
             return ops.silu_and_mul_linear(gate_up, d.weight, d.bias, prefetch=d.prefetch_next), residual
-        return d.reduce(ops.silu_and_mul_linear(gate_up, d.weight, None, prefetch=d.prefetch_next)), residual
+        return d.project_and_reduce(gate_up, silu_input=True), residual
 
 
 class LlamaDecoderLayer(nn.Module):

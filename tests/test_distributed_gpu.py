@@ -98,6 +98,34 @@ def _eagle_with_graphs_equals_one_gpu_eager(model_dir, tmp_path, **parallel) -> 
     return async_scheduling
 
 
+def test_tp2_bf16_all_reduce_inside_the_gemv_identical_to_the_all_reduce_kernel(make_model, monkeypatch):
+    """At batch 1 over two ranks each row-parallel GEMV sums its output with the other rank's
+    itself (``gemv(all_reduce=...)``), under CUDA graphs and async scheduling. Both ways sum
+    the same two bf16 partials, so every token of a bf16 model of real shapes equals the run
+    whose all-reduce is a kernel of its own (``PAGELM_FUSED_ALL_REDUCE=0``, which the other
+    rank's process inherits). Prompts go one at a time: every decode step is batch 1."""
+    model_dir = make_model("gpu2_qwen3_0.6b_shapes", "qwen3", dtype=torch.bfloat16, **QWEN3_0_6B_SHAPES)
+    runs = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("PAGELM_FUSED_ALL_REDUCE", fused)
+        runs[fused], made = _run_batch_1_tp2(model_dir)
+        assert made == (fused == "1"), "the fused all-reduce was (not) used as asked"
+    assert runs["1"] == runs["0"]
+
+
+def _run_batch_1_tp2(model_dir) -> tuple[list[list[int]], bool]:
+    """Each prompt alone at TP=2 (bf16, CUDA graphs): the tokens, and whether rank 0 made the
+    buffers of both exchange sites. A function of its own so that the engine is gone (its KV cache
+    freed) before the next one sizes its cache."""
+    import pagelm.distributed as distributed
+
+    with LLM(str(model_dir), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, tensor_parallel_size=2,
+             enforce_eager=False) as llm:
+        tokens = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+        made = {site for (dtype, site), buffers in distributed._fused_buffers.items() if buffers is not None}
+        return tokens, made == {0, 1}  # o_proj, down_proj
+
+
 def test_real_shape_bf16_pp2_identical_and_tp2_first_divergence(make_model):
     model_dir = make_model("gpu2_qwen3_0.6b_shapes", "qwen3", dtype=torch.bfloat16, **QWEN3_0_6B_SHAPES)
     one = _run(model_dir, "bfloat16")

@@ -298,6 +298,36 @@ def test_gemv_with_rms_norm_is_the_norm_then_linear(dtype, k, with_residual):
     assert_gemv_matches(out, normed, weight, None)
 
 
+@pytest.mark.parametrize("silu_input", [False, True])
+def test_gemv_all_reduce_sums_two_ranks_partials_and_leaves_the_flags_down(silu_input):
+    """The two-rank exchange of ``gemv(all_reduce=...)``, ranks run one after the other (the
+    interpreter runs one program at a time, so the other rank's half is already there when a
+    rank starts): each rank's result is the sum of both ranks' rounded partial products, the
+    two are the same bits, each rank's partials land in the other's receive buffer, and every
+    flag is down again once both have read. The output (n=1030) is not a whole number of
+    tiles, so the last program's masked rows are exchanged too."""
+    gemv = importlib.import_module("pagelm.backends.kernels.gemv")
+    n, k, dtype = 1030, 96, torch.bfloat16
+    num_programs = -(-n // gemv.gemv_config(n, k)[0])
+    xs = [randn(1, 2 * k if silu_input else k, dtype=dtype, seed=10 + r, scale=2.0) for r in range(2)]
+    weights = [randn(n, k, dtype=dtype, seed=20 + r, scale=0.1) for r in range(2)]
+    partials = [gemv.gemv(x, w, silu_input=silu_input) for x, w in zip(xs, weights)]
+    expected = (partials[0].float() + partials[1].float()).to(dtype)
+    recv = [torch.full((n + 8,), float("nan"), dtype=dtype) for _ in range(2)]
+    flags = [torch.zeros(num_programs + 3, dtype=torch.int32) for _ in range(2)]
+    # Rank 1 got as far as its exchange: its partials are in rank 0's buffer, flags raised.
+    recv[0][:n] = partials[1][0]
+    flags[0][:num_programs] = 1
+    out0 = gemv.gemv(xs[0], weights[0], silu_input=silu_input, all_reduce=(recv[1], flags[1], recv[0], flags[0]))
+    assert torch.equal(out0, expected)
+    assert flags[0].eq(0).all(), "rank 0 lowers every flag it read"
+    assert torch.equal(recv[1][:n], partials[0][0]) and recv[1][n:].isnan().all()
+    assert flags[1][:num_programs].eq(1).all() and flags[1][num_programs:].eq(0).all()
+    out1 = gemv.gemv(xs[1], weights[1], silu_input=silu_input, all_reduce=(recv[0], flags[0], recv[1], flags[1]))
+    assert torch.equal(out1, out0)
+    assert flags[0][:num_programs].eq(1).all() and flags[1].eq(0).all()
+
+
 def test_linear_dispatch_keeps_batches_and_float32_on_torch():
     """The GEMV takes only what it is for: single bf16/fp16 rows."""
     weight = randn(16, 32, dtype=torch.bfloat16)

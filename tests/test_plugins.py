@@ -154,19 +154,19 @@ def test_declared_api_version_is_recorded(tmp_path, monkeypatch):
         warnings.simplefilter("error")  # a declaring plugin loads without a warning
         pm.load_entry_points()
     assert pm.loaded["pagelm_lifo"].api_version == "2.0"
-    assert pm.loaded["fcfs"].api_version == PLUGIN_API_VERSION == "2.20"
+    assert pm.loaded["fcfs"].api_version == PLUGIN_API_VERSION == "2.21"
 
 
 def test_plugin_for_another_major_api_is_rejected_naming_both_versions(tmp_path, monkeypatch):
     # 1.x policies kept the waiting queue on the policy: they cannot run on 2.0.
     install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("1.1"))
-    with pytest.raises(PluginLoadError, match=r"'pagelm_lifo'.*incompatible.*plugin API 1\.1.*provides plugin API 2\.20"):
+    with pytest.raises(PluginLoadError, match=r"'pagelm_lifo'.*incompatible.*plugin API 1\.1.*provides plugin API 2\.21"):
         PluginManager().load_entry_points()
 
 
 def test_plugin_needing_a_newer_minor_api_is_rejected(tmp_path, monkeypatch):
-    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("2.21"))
-    with pytest.raises(PluginLoadError, match=r"declares plugin API 2\.21, newer than this pagelm's plugin API 2\.20"):
+    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("2.22"))
+    with pytest.raises(PluginLoadError, match=r"declares plugin API 2\.22, newer than this pagelm's plugin API 2\.21"):
         PluginManager().load_entry_points()
 
 
@@ -236,7 +236,7 @@ def test_cli_lists_builtin_plugins_with_kind_package_and_version(capsys):
     import pagelm
 
     mine = ("fcfs", "priority", "sjf", "torch_attention", "models")
-    assert {(rows[n]["package"], rows[n]["version"], rows[n]["plugin_api"]) for n in mine} == {("pagelm", pagelm.__version__, "2.20")}
+    assert {(rows[n]["package"], rows[n]["version"], rows[n]["plugin_api"]) for n in mine} == {("pagelm", pagelm.__version__, "2.21")}
 
 
 def test_cli_lists_third_party_broken_and_disabled_plugins(tmp_path, monkeypatch, capsys):

@@ -81,6 +81,10 @@ def _gemv_kernel(
     prefetch_address,  # PREFETCH: the first byte of the next projection's weight
     prefetch_bytes,  # PREFETCH: how many of its bytes to prefetch, a multiple of 16
     prefetch_chunk,  # PREFETCH: bytes per program, a multiple of 16
+    send_ptr,  # ALL_REDUCE: [N] in the other rank's memory, where this rank's partial sums go
+    send_flags_ptr,  # ALL_REDUCE: [programs] int32 in the other rank's memory, one per tile
+    recv_ptr,  # ALL_REDUCE: [N] here, where the other rank's partial sums arrive
+    recv_flags_ptr,  # ALL_REDUCE: [programs] int32 here: 1 once tile p has arrived
     eps,
     N,
     K,
@@ -90,6 +94,7 @@ def _gemv_kernel(
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PREFETCH: tl.constexpr,
+    ALL_REDUCE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -156,7 +161,35 @@ def _gemv_kernel(
         w = tl.load(w_rows + next_k[None, :], mask=n_mask[:, None] & (next_k < K)[None, :], other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    if ALL_REDUCE:
+        # Each partial is rounded to the model dtype first, as the unfused path rounds the
+        # projection's output before its all-reduce; ``a + b`` is ``b + a``, so both ranks
+        # hold the same bits.
+        part = round_to(acc, y_ptr.dtype.element_ty, INTERPRETED)
+        other = _exchange_tile(part, rn, n_mask, send_ptr, send_flags_ptr, recv_ptr, recv_flags_ptr)
+        acc = part.to(tl.float32) + other.to(tl.float32)
     tl.store(y_ptr + rn, round_to(acc, y_ptr.dtype.element_ty, INTERPRETED), mask=n_mask)
+
+
+@triton.jit
+def _exchange_tile(part, rn, n_mask, send_ptr, send_flags_ptr, recv_ptr, recv_flags_ptr):
+    """The other tensor-parallel rank's tile ``rn`` for this rank's ``part``: this program's
+    tile goes into the other rank's receive buffer and its flag for the tile is raised; then
+    the program waits for the other rank's same program to do the same here, reads its tile
+    and lowers the flag."""
+    pid = tl.program_id(0)
+    tl.store(send_ptr + rn, part, mask=n_mask)
+    tl.debug_barrier()  # every thread's share is written before the flag says so
+    tl.atomic_xchg(send_flags_ptr + pid, 1, sem="release", scope="sys")
+    arrived = tl.atomic_add(recv_flags_ptr + pid, 0, sem="acquire", scope="sys")
+    while arrived == 0:
+        arrived = tl.atomic_add(recv_flags_ptr + pid, 0, sem="acquire", scope="sys")
+    other = tl.load(recv_ptr + rn, mask=n_mask, other=0.0, volatile=True)
+    # Lowered only after the read: the other rank raises it again no sooner than its next
+    # exchange through this buffer, which the caller's alternating buffers put after this
+    # kernel has finished (see ``gemv``).
+    tl.atomic_xchg(recv_flags_ptr + pid, 0, sem="relaxed", scope="gpu")
+    return other
 
 
 @triton.jit
@@ -196,16 +229,29 @@ def gemv(
     norm: tuple[torch.Tensor, float, torch.Tensor | None] | None = None,
     config: tuple[int, int, int] | None = None,
     prefetch: torch.Tensor | None = None,
+    all_reduce: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x [1, K] @ weight[N, K]^T + bias``. With ``silu_input``, ``x`` is ``[1, 2K]`` and
     ``silu_and_mul(x)`` is the operand. With ``norm=(norm_weight, eps, residual)`` the
     operand is ``rms_norm(x + residual)`` and the result is ``(y, x + residual)``, the sum
     being the next residual (``x`` itself when ``residual`` is None). ``prefetch``: a
-    contiguous weight to pull into L2 meanwhile (the next projection's; a hint, Hopper only)."""
+    contiguous weight to pull into L2 meanwhile (the next projection's; a hint, Hopper only).
+
+    ``all_reduce=(send, send_flags, recv, recv_flags)`` returns the sum of ``y`` over two
+    tensor-parallel ranks instead of this rank's ``y`` (no bias: a row-parallel layer adds it
+    after the sum). ``send``/``send_flags`` live in the other rank's memory (``[N]`` in the
+    model dtype, one int32 per program), ``recv``/``recv_flags`` in this one's, the flags all
+    0 between calls. Each program trades its tile with the same program on the other rank
+    (``_exchange_tile``), so the all-reduce costs no kernel of its own and no grid-wide
+    barrier. Both ranks must make the same call, and two calls in a row must not use the
+    same buffers: the other rank may write its next partials into a buffer as soon as it
+    has passed the exchange, before this rank has read it. The caller alternates two
+    (``pagelm.distributed.fused_all_reduce_buffers``)."""
     n, k = weight.shape
     assert x.shape == (1, 2 * k if silu_input else k), (x.shape, weight.shape, silu_input)
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     assert not (silu_input and norm is not None)
+    assert all_reduce is None or bias is None, "a row-parallel layer adds its bias after the all-reduce"
     block_n, block_k, num_warps = config or gemv_config(n, k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     use_pdl = not INTERPRETED and pdl_supported(x.device)
@@ -219,6 +265,11 @@ def gemv(
     if prefetch is not None and L2_PREFETCH_BYTES and use_pdl and own_bytes <= PREFETCH_MAX_WEIGHT_BYTES and prefetch.is_contiguous():
         prefetch_bytes = min(prefetch.numel() * prefetch.element_size(), L2_PREFETCH_BYTES) // 16 * 16
     prefetch_chunk = (-(-prefetch_bytes // num_programs) + 15) // 16 * 16
+    if all_reduce is not None:
+        send, send_flags, recv, recv_flags = all_reduce
+        assert send.numel() >= n and recv.numel() >= n and min(send_flags.numel(), recv_flags.numel()) >= num_programs
+    else:
+        send = send_flags = recv = recv_flags = y
     _gemv_kernel[(num_programs,)](
         y,
         x,
@@ -230,6 +281,10 @@ def gemv(
         prefetch.data_ptr() if prefetch_bytes else 0,
         prefetch_bytes,
         prefetch_chunk,
+        send,
+        send_flags,
+        recv,
+        recv_flags,
         eps,
         n,
         k,
@@ -239,6 +294,7 @@ def gemv(
         NORM=norm is not None,
         HAS_RESIDUAL=residual is not None,
         PREFETCH=prefetch_bytes > 0,
+        ALL_REDUCE=all_reduce is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,

@@ -134,13 +134,22 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, use_triton: bool | None):
 def _prefetch_kwargs(gemv, prefetch: torch.Tensor | None) -> dict:
     """The GEMV's ``prefetch`` argument (plugin API 2.20), passed only when there is a weight
     to prefetch and the registered kernel takes it: one written before 2.20 still runs."""
-    return {"prefetch": prefetch} if prefetch is not None and _takes_prefetch(gemv) else {}
+    return {"prefetch": prefetch} if prefetch is not None and _takes(gemv, "prefetch") else {}
 
 
 @functools.cache
-def _takes_prefetch(gemv) -> bool:
+def _takes(gemv, keyword: str) -> bool:
+    """Whether the registered GEMV accepts ``keyword`` (an optional argument added after 2.0)."""
     parameters = inspect.signature(gemv).parameters.values()
-    return any(p.name == "prefetch" or p.kind is p.VAR_KEYWORD for p in parameters)
+    return any(p.name == keyword or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def fuses_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear(x, weight, all_reduce=...)`` (and ``silu_and_mul_linear``) can sum
+    over the ranks inside the projection: the GEMV applies to ``x`` and the registered one
+    takes ``all_reduce`` (plugin API 2.21)."""
+    gemv = _gemv(x, weight, None)
+    return gemv is not None and _takes(gemv, "all_reduce")
 
 
 def linear(
@@ -150,11 +159,18 @@ def linear(
     *,
     use_triton: bool | None = None,
     prefetch: torch.Tensor | None = None,
+    all_reduce: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """``F.linear``; a single row (batch-1 decode, bf16/fp16) on CUDA takes the Triton GEMV,
     which reads small weights at close to HBM bandwidth where cuBLAS's tiles do not.
-    ``prefetch``: the next projection's weight, which the GEMV may pull into L2 meanwhile."""
+    ``prefetch``: the next projection's weight, which the GEMV may pull into L2 meanwhile.
+    ``all_reduce``: the exchange buffers of a row-parallel projection whose GEMV sums the
+    output over two ranks (``pagelm.distributed.fused_all_reduce_buffers``); only where
+    ``fuses_all_reduce`` says so."""
     gemv = _gemv(x, weight, use_triton)
+    if all_reduce is not None:
+        assert gemv is not None and _takes(gemv, "all_reduce"), "fuses_all_reduce(x, weight) is False"
+        return gemv(x, weight, bias, all_reduce=all_reduce, **_prefetch_kwargs(gemv, prefetch))
     if gemv is not None:
         return gemv(x, weight, bias, **_prefetch_kwargs(gemv, prefetch))
     return torch.nn.functional.linear(x, weight, bias)
@@ -167,10 +183,15 @@ def silu_and_mul_linear(
     *,
     use_triton: bool | None = None,
     prefetch: torch.Tensor | None = None,
+    all_reduce: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """``linear(silu_and_mul(x), weight, bias)``: the MLP's activation and down projection;
-    one kernel (the activation computed while loading) where the GEMV applies."""
+    one kernel (the activation computed while loading) where the GEMV applies.
+    ``all_reduce`` as for ``linear``."""
     gemv = _gemv(x, weight, use_triton)
+    if all_reduce is not None:
+        assert gemv is not None and _takes(gemv, "all_reduce"), "fuses_all_reduce(x, weight) is False"
+        return gemv(x, weight, bias, silu_input=True, all_reduce=all_reduce, **_prefetch_kwargs(gemv, prefetch))
     if gemv is not None:
         return gemv(x, weight, bias, silu_input=True, **_prefetch_kwargs(gemv, prefetch))
     return linear(silu_and_mul(x, use_triton=use_triton), weight, bias, use_triton=use_triton)
@@ -200,6 +221,7 @@ __all__ = [
     "FUSED_OPS_DISABLED",
     "ROTARY_KV_FUSION_DISABLED",
     "fused_ops_enabled",
+    "fuses_all_reduce",
     "linear",
     "qk_norm_rotary_embedding",
     "reference",
