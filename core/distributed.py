@@ -9,7 +9,9 @@ on the CPU (how CI tests scale-out). With one rank nothing is initialised and th
 collectives return their input. A small all-reduce on CUDA (a decode step's [tokens, hidden])
 goes through torch's symmetric memory instead of NCCL: each rank reads the others' buffers
 over NVLink in one kernel (8.6 us against NCCL's 14.7 us per 8 KiB inside a CUDA graph on two
-H100s; 64 of them per Llama-8B decode step). ``disable_custom_all_reduce`` turns it off.
+H100s; 64 of them per Llama-8B decode step). At batch 1 over two ranks the row-parallel
+projections go further and exchange their partial sums inside their own GEMV
+(``fused_all_reduce_buffers``). ``disable_custom_all_reduce`` turns both off.
 
 Ranks are laid out stage-major: rank ``r`` is tensor-parallel rank ``r % tp`` of pipeline
 stage ``r // tp``, so the ``tp`` ranks of a stage are neighbours (one host's GPUs) and rank
@@ -197,15 +199,16 @@ def fused_all_reduce_buffers(site: int, n: int, dtype: torch.dtype) -> tuple[tor
     if (dtype, site) not in _fused_buffers:
         _fused_buffers[(dtype, site)] = _make_fused_buffers(dtype, max(n, FUSED_ALL_REDUCE_MAX_ELEMENTS))
     buffers = _fused_buffers[(dtype, site)]
-    return None if buffers is None or buffers[0].numel() < n else buffers
+    return None if buffers is None or buffers[3].numel() < n else buffers
 
 
 def _make_fused_buffers(dtype: torch.dtype, capacity: int) -> tuple[torch.Tensor, ...] | None:
-    """One site's buffers: a symmetric allocation per rank holding ``capacity`` values it
-    receives and as many int32 flags (one per GEMV program needs fewer), the flags down
-    before the other rank can see them."""
+    """One site's buffers: a symmetric allocation per rank holding what it receives for
+    ``capacity`` values (4 bytes each: room for a flag beside every 16-bit value) and as
+    many int32 flags (one per GEMV program needs fewer), all zero before the other rank can
+    see them."""
     global _symm_rendezvous_count
-    data_bytes = -(-capacity * dtype.itemsize // 16) * 16
+    data_bytes = capacity * 4
     device = torch.device("cuda", torch.cuda.current_device())
     try:
         import torch.distributed._symmetric_memory as symm_mem
@@ -215,18 +218,17 @@ def _make_fused_buffers(dtype: torch.dtype, capacity: int) -> tuple[torch.Tensor
             if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9
                 symm_mem.enable_symm_mem_for_group(_group_name())
             local = symm_mem.empty(data_bytes + capacity * 4, dtype=torch.uint8, device=device)
-            local[data_bytes:].zero_()
+            local.zero_()
             torch.cuda.synchronize(device)
             _symm_rendezvous_count += 1
             handle = symm_mem.rendezvous(local, _group_name())
         peer = 1 - handle.rank
-        send = handle.get_buffer(peer, (capacity,), dtype)
+        send = handle.get_buffer(peer, (data_bytes // dtype.itemsize,), dtype)
         send_flags = handle.get_buffer(peer, (capacity,), torch.int32, data_bytes // 4)
     except Exception as e:  # no P2P between the GPUs, an old torch: a kernel of its own
         logger.warning("fused all-reduce unavailable (%s); collectives stay kernels of their own", e)
         return None
-    recv = local[:data_bytes].view(dtype)[:capacity]
-    return send, send_flags, recv, local[data_bytes:].view(torch.int32)
+    return send, send_flags, local[:data_bytes].view(dtype), local[data_bytes:].view(torch.int32)
 
 
 def _group_name() -> str:

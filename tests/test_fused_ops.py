@@ -313,19 +313,40 @@ def test_gemv_all_reduce_sums_two_ranks_partials_and_leaves_the_flags_down(silu_
     weights = [randn(n, k, dtype=dtype, seed=20 + r, scale=0.1) for r in range(2)]
     partials = [gemv.gemv(x, w, silu_input=silu_input) for x, w in zip(xs, weights)]
     expected = (partials[0].float() + partials[1].float()).to(dtype)
-    recv = [torch.full((n + 8,), float("nan"), dtype=dtype) for _ in range(2)]
-    flags = [torch.zeros(num_programs + 3, dtype=torch.int32) for _ in range(2)]
+    if gemv.LL_EXCHANGE:  # flags travel in the data words: every word 0 until it arrives
+        recv = [torch.zeros(2 * num_programs * gemv.gemv_config(n, k)[0], dtype=dtype) for _ in range(2)]
+        flags = [torch.zeros(1, dtype=torch.int32) for _ in range(2)]
+    else:
+        recv = [torch.full((n + 8,), float("nan"), dtype=dtype) for _ in range(2)]
+        flags = [torch.zeros(num_programs + 3, dtype=torch.int32) for _ in range(2)]
     # Rank 1 got as far as its exchange: its partials are in rank 0's buffer, flags raised.
-    recv[0][:n] = partials[1][0]
-    flags[0][:num_programs] = 1
+    _deliver(gemv, partials[1][0], recv[0], flags[0], num_programs)
     out0 = gemv.gemv(xs[0], weights[0], silu_input=silu_input, all_reduce=(recv[1], flags[1], recv[0], flags[0]))
     assert torch.equal(out0, expected)
-    assert flags[0].eq(0).all(), "rank 0 lowers every flag it read"
-    assert torch.equal(recv[1][:n], partials[0][0]) and recv[1][n:].isnan().all()
-    assert flags[1][:num_programs].eq(1).all() and flags[1][num_programs:].eq(0).all()
+    assert flags[0].eq(0).all() and recv[0].view(torch.int16).eq(0).all() if gemv.LL_EXCHANGE else flags[0].eq(0).all(), \
+        "rank 0 lowers every flag it read"
+    sent = torch.zeros_like(recv[1]), torch.zeros_like(flags[1])
+    _deliver(gemv, partials[0][0], *sent, num_programs)
+    if gemv.LL_EXCHANGE:
+        assert torch.equal(recv[1].view(torch.int16), sent[0].view(torch.int16))
+    else:
+        assert torch.equal(recv[1][:n], partials[0][0]) and recv[1][n:].isnan().all()
+        assert flags[1][:num_programs].eq(1).all() and flags[1][num_programs:].eq(0).all()
     out1 = gemv.gemv(xs[1], weights[1], silu_input=silu_input, all_reduce=(recv[0], flags[0], recv[1], flags[1]))
     assert torch.equal(out1, out0)
-    assert flags[0][:num_programs].eq(1).all() and flags[1].eq(0).all()
+
+
+def _deliver(gemv, values: torch.Tensor, recv: torch.Tensor, flags: torch.Tensor, num_programs: int) -> None:
+    """What the other rank's exchange leaves in ``recv``/``flags``: the values and raised
+    flags, or (the low-latency protocol) each pair of values in a 64-bit word, flag 1 on top."""
+    if not gemv.LL_EXCHANGE:
+        recv[: values.numel()] = values
+        flags[:num_programs] = 1
+        return
+    words = recv.view(torch.int64)
+    bits = torch.zeros(2 * words.numel(), dtype=torch.int64)
+    bits[: values.numel()] = values.view(torch.int16).to(torch.int64) & 0xFFFF
+    words.copy_(bits[0::2] | (bits[1::2] << 16) | (1 << 32))
 
 
 def test_linear_dispatch_keeps_batches_and_float32_on_torch():

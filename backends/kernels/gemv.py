@@ -51,6 +51,7 @@ from pagelm.backends.kernels.common import allow_next_kernel, is_interpreted, pd
 # largest weight of its own with which a GEMV prefetches at all.
 L2_PREFETCH_BYTES = int(float(os.environ.get("PAGELM_L2_PREFETCH_MB", "1")) * 2**20) // 16 * 16
 PREFETCH_MAX_WEIGHT_BYTES = 16 * 2**20
+LL_EXCHANGE = os.environ.get("PAGELM_EXCHANGE_PROTOCOL", "ll") == "ll"  # experiment (session 24)
 
 
 @triton.jit
@@ -95,6 +96,7 @@ def _gemv_kernel(
     HAS_RESIDUAL: tl.constexpr,
     PREFETCH: tl.constexpr,
     ALL_REDUCE: tl.constexpr,
+    LL_EXCHANGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -166,7 +168,10 @@ def _gemv_kernel(
         # projection's output before its all-reduce; ``a + b`` is ``b + a``, so both ranks
         # hold the same bits.
         part = round_to(acc, y_ptr.dtype.element_ty, INTERPRETED)
-        other = _exchange_tile(part, rn, n_mask, send_ptr, send_flags_ptr, recv_ptr, recv_flags_ptr)
+        if LL_EXCHANGE:
+            other = _exchange_tile_ll(part, send_ptr, recv_ptr, BLOCK_N)
+        else:
+            other = _exchange_tile(part, rn, n_mask, send_ptr, send_flags_ptr, recv_ptr, recv_flags_ptr)
         acc = part.to(tl.float32) + other.to(tl.float32)
     tl.store(y_ptr + rn, round_to(acc, y_ptr.dtype.element_ty, INTERPRETED), mask=n_mask)
 
@@ -190,6 +195,35 @@ def _exchange_tile(part, rn, n_mask, send_ptr, send_flags_ptr, recv_ptr, recv_fl
     # kernel has finished (see ``gemv``).
     tl.atomic_xchg(recv_flags_ptr + pid, 0, sem="relaxed", scope="gpu")
     return other
+
+
+@triton.jit
+def _exchange_tile_ll(part, send_ptr, recv_ptr, BLOCK_N: tl.constexpr):
+    """``_exchange_tile`` without a flag of its own (NCCL's low-latency protocol): each pair
+    of 16-bit values travels in one 64-bit word with a 1 in its high half, so a word that
+    reads non-zero there is a word that has arrived whole (an aligned 8-byte store lands at
+    once) and no fence orders data before a flag. The program's words are polled until all
+    have arrived, then zeroed for the next exchange through this buffer."""
+    half: tl.constexpr = BLOCK_N // 2
+    words = tl.program_id(0).to(tl.int64) * half + tl.arange(0, half)
+    bits = part.to(tl.uint16, bitcast=True).to(tl.uint64)
+    even, odd = tl.split(tl.reshape(bits, (half, 2)))
+    packed = even | (odd << 16) | (1 << 32)
+    send = send_ptr.to(tl.pointer_type(tl.uint64))
+    recv = recv_ptr.to(tl.pointer_type(tl.uint64))
+    # One aligned 64-bit store per word (Triton stores each element once, however many
+    # threads hold a copy: a late duplicate could land after the other rank zeroed it).
+    tl.store(send + words, packed)
+    got = tl.load(recv + words, volatile=True)
+    while tl.min((got >> 32).to(tl.uint32), axis=0) == 0:
+        got = tl.load(recv + words, volatile=True)
+    # Each warp polls its own copy of the words: none may zero them before all have seen
+    # them arrive.
+    tl.debug_barrier()
+    tl.store(recv + words, tl.zeros_like(got))
+    low = got & 0xFFFFFFFF
+    other = tl.reshape(tl.join(low & 0xFFFF, low >> 16), (BLOCK_N,))
+    return other.to(tl.uint16).to(part.dtype, bitcast=True)
 
 
 @triton.jit
@@ -267,7 +301,10 @@ def gemv(
     prefetch_chunk = (-(-prefetch_bytes // num_programs) + 15) // 16 * 16
     if all_reduce is not None:
         send, send_flags, recv, recv_flags = all_reduce
-        assert send.numel() >= n and recv.numel() >= n and min(send_flags.numel(), recv_flags.numel()) >= num_programs
+        if LL_EXCHANGE:  # a 64-bit word per two values of every program's tile
+            assert min(send.numel() * send.element_size(), recv.numel() * recv.element_size()) >= num_programs * block_n * 4
+        else:
+            assert send.numel() >= n and recv.numel() >= n and min(send_flags.numel(), recv_flags.numel()) >= num_programs
     else:
         send = send_flags = recv = recv_flags = y
     _gemv_kernel[(num_programs,)](
@@ -295,6 +332,7 @@ def gemv(
         HAS_RESIDUAL=residual is not None,
         PREFETCH=prefetch_bytes > 0,
         ALL_REDUCE=all_reduce is not None,
+        LL_EXCHANGE=LL_EXCHANGE,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
