@@ -88,9 +88,9 @@ def parallel_state() -> ParallelState:
 # dtype -> this rank's symmetric-memory buffer (made on first use, in the eager profile run
 # that comes before any CUDA graph is captured); None: the path is off or unavailable.
 _symm_buffers: dict[torch.dtype, torch.Tensor] | None = None
-# (dtype, site) -> the buffers of ``fused_all_reduce_buffers``, or None where they could not
-# be made (made on first use, like _symm_buffers); whether this world fuses at all.
-_fused_buffers: dict[tuple[torch.dtype, int], tuple[torch.Tensor, ...] | None] = {}
+# (dtype, site) -> (capacity, the buffers of ``fused_all_reduce_buffers``), or None where they
+# could not be made (made on first use, like _symm_buffers); whether this world fuses at all.
+_fused_buffers: dict[tuple[torch.dtype, int], tuple[int, tuple[torch.Tensor, torch.Tensor]] | None] = {}
 _fused_all_reduce = False
 # Symmetric-memory rendezvous this process has tried, over every world it joined (torch keeps
 # its own count, which no teardown resets: see _symm_histories_agree).
@@ -181,34 +181,36 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def fused_all_reduce_buffers(site: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
-    """``(send, send_flags, recv, recv_flags)`` for a batch-1 projection that sums its
-    output over the two tensor-parallel ranks itself (``gemv(all_reduce=...)``
-    in ``pagelm.backends.kernels.gemv``): ``send`` and ``send_flags`` are the other rank's
-    receive buffer and flags, mapped here through symmetric memory. None: the all-reduce
-    stays a kernel of its own (not two ranks, symmetric memory off or unavailable, an
-    output wider than the site's buffer).
+def fused_all_reduce_buffers(site: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(send, recv)`` for a batch-1 projection of ``n`` outputs that sums them over the two
+    tensor-parallel ranks itself (``gemv(all_reduce=...)`` in
+    ``pagelm.backends.kernels.gemv``): ``send`` is the other rank's receive buffer, mapped
+    here through symmetric memory, ``recv`` this rank's. None: the all-reduce stays a kernel
+    of its own (not two ranks, symmetric memory off or unavailable, an output wider than
+    the site's buffer).
 
-    ``site`` picks a buffer set. Two consecutive exchanges must not share one (a rank may
-    write its next tile as soon as it is past an exchange, before the other has read it), so
-    a decoder layer's o_proj uses site 0 and its down_proj site 1: the exchanges alternate through every layer, step after step. A site's buffer is made on its
-    first call, ``max(n, FUSED_ALL_REDUCE_MAX_ELEMENTS)`` wide: a collective (every rank
-    makes the same calls in the same order)."""
+    ``site`` picks a buffer. Two consecutive exchanges must not share one (a rank may write
+    its next tile as soon as it is past an exchange, before the other has read it), so a
+    decoder layer's o_proj uses site 0 and its down_proj site 1: the exchanges alternate
+    through every layer, step after step. A site's buffer is made on its first call, for
+    ``max(n, FUSED_ALL_REDUCE_MAX_ELEMENTS)`` outputs: a collective (every rank makes the
+    same calls in the same order)."""
     if _state.tp_size != 2 or _symm_buffers is None or not _fused_all_reduce:
         return None
     if (dtype, site) not in _fused_buffers:
-        _fused_buffers[(dtype, site)] = _make_fused_buffers(dtype, max(n, FUSED_ALL_REDUCE_MAX_ELEMENTS))
-    buffers = _fused_buffers[(dtype, site)]
-    return None if buffers is None or buffers[3].numel() < n else buffers
+        capacity = max(n, FUSED_ALL_REDUCE_MAX_ELEMENTS)
+        buffers = _make_fused_buffers(dtype, capacity)
+        _fused_buffers[(dtype, site)] = None if buffers is None else (capacity, buffers)
+    made = _fused_buffers[(dtype, site)]
+    return None if made is None or made[0] < n else made[1]
 
 
-def _make_fused_buffers(dtype: torch.dtype, capacity: int) -> tuple[torch.Tensor, ...] | None:
-    """One site's buffers: a symmetric allocation per rank holding what it receives for
-    ``capacity`` values (4 bytes each: room for a flag beside every 16-bit value) and as
-    many int32 flags (one per GEMV program needs fewer), all zero before the other rank can
-    see them."""
+def _make_fused_buffers(dtype: torch.dtype, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One site's buffers: a symmetric allocation per rank of 4 bytes per output (the
+    exchange sends two 16-bit values and a flag in each 64-bit word), and a little more for
+    a last tile past the outputs, zero before the other rank can see it."""
     global _symm_rendezvous_count
-    data_bytes = capacity * 4
+    data_bytes = 4 * (capacity + 64)
     device = torch.device("cuda", torch.cuda.current_device())
     try:
         import torch.distributed._symmetric_memory as symm_mem
@@ -217,18 +219,16 @@ def _make_fused_buffers(dtype: torch.dtype, capacity: int) -> tuple[torch.Tensor
             warnings.simplefilter("ignore")
             if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9
                 symm_mem.enable_symm_mem_for_group(_group_name())
-            local = symm_mem.empty(data_bytes + capacity * 4, dtype=torch.uint8, device=device)
+            local = symm_mem.empty(data_bytes, dtype=torch.uint8, device=device)
             local.zero_()
             torch.cuda.synchronize(device)
             _symm_rendezvous_count += 1
             handle = symm_mem.rendezvous(local, _group_name())
-        peer = 1 - handle.rank
-        send = handle.get_buffer(peer, (data_bytes // dtype.itemsize,), dtype)
-        send_flags = handle.get_buffer(peer, (capacity,), torch.int32, data_bytes // 4)
+        send = handle.get_buffer(1 - handle.rank, (data_bytes // dtype.itemsize,), dtype)
     except Exception as e:  # no P2P between the GPUs, an old torch: a kernel of its own
-        logger.warning("fused all-reduce unavailable (%s); collectives stay kernels of their own", e)
+        logger.warning("fused all-reduce unavailable (%s); the all-reduce stays a kernel of its own", e)
         return None
-    return send, send_flags, local[:data_bytes].view(dtype), local[data_bytes:].view(torch.int32)
+    return send, local.view(dtype)
 
 
 def _group_name() -> str:

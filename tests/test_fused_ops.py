@@ -299,54 +299,37 @@ def test_gemv_with_rms_norm_is_the_norm_then_linear(dtype, k, with_residual):
 
 
 @pytest.mark.parametrize("silu_input", [False, True])
-def test_gemv_all_reduce_sums_two_ranks_partials_and_leaves_the_flags_down(silu_input):
+def test_gemv_all_reduce_sums_two_ranks_partials_and_leaves_the_buffers_zero(silu_input):
     """The two-rank exchange of ``gemv(all_reduce=...)``, ranks run one after the other (the
     interpreter runs one program at a time, so the other rank's half is already there when a
     rank starts): each rank's result is the sum of both ranks' rounded partial products, the
-    two are the same bits, each rank's partials land in the other's receive buffer, and every
-    flag is down again once both have read. The output (n=1030) is not a whole number of
-    tiles, so the last program's masked rows are exchanged too."""
+    two are the same bits, each rank's partials land in the other's receive buffer as
+    flagged 64-bit words, and a rank leaves its receive buffer zero once it has read it. The
+    output (n=1030) is not a whole number of tiles, so the last program's masked rows are
+    exchanged too."""
     gemv = importlib.import_module("pagelm.backends.kernels.gemv")
     n, k, dtype = 1030, 96, torch.bfloat16
-    num_programs = -(-n // gemv.gemv_config(n, k)[0])
+    padded = -(-n // gemv.gemv_config(n, k)[0]) * gemv.gemv_config(n, k)[0]
     xs = [randn(1, 2 * k if silu_input else k, dtype=dtype, seed=10 + r, scale=2.0) for r in range(2)]
     weights = [randn(n, k, dtype=dtype, seed=20 + r, scale=0.1) for r in range(2)]
     partials = [gemv.gemv(x, w, silu_input=silu_input) for x, w in zip(xs, weights)]
     expected = (partials[0].float() + partials[1].float()).to(dtype)
-    if gemv.LL_EXCHANGE:  # flags travel in the data words: every word 0 until it arrives
-        recv = [torch.zeros(2 * num_programs * gemv.gemv_config(n, k)[0], dtype=dtype) for _ in range(2)]
-        flags = [torch.zeros(1, dtype=torch.int32) for _ in range(2)]
-    else:
-        recv = [torch.full((n + 8,), float("nan"), dtype=dtype) for _ in range(2)]
-        flags = [torch.zeros(num_programs + 3, dtype=torch.int32) for _ in range(2)]
-    # Rank 1 got as far as its exchange: its partials are in rank 0's buffer, flags raised.
-    _deliver(gemv, partials[1][0], recv[0], flags[0], num_programs)
-    out0 = gemv.gemv(xs[0], weights[0], silu_input=silu_input, all_reduce=(recv[1], flags[1], recv[0], flags[0]))
+    recv = [torch.zeros(2 * padded, dtype=dtype) for _ in range(2)]  # 4 bytes per output
+    recv[0].copy_(_words(partials[1][0], padded))  # rank 1 got as far as its exchange
+    out0 = gemv.gemv(xs[0], weights[0], silu_input=silu_input, all_reduce=(recv[1], recv[0]))
     assert torch.equal(out0, expected)
-    assert flags[0].eq(0).all() and recv[0].view(torch.int16).eq(0).all() if gemv.LL_EXCHANGE else flags[0].eq(0).all(), \
-        "rank 0 lowers every flag it read"
-    sent = torch.zeros_like(recv[1]), torch.zeros_like(flags[1])
-    _deliver(gemv, partials[0][0], *sent, num_programs)
-    if gemv.LL_EXCHANGE:
-        assert torch.equal(recv[1].view(torch.int16), sent[0].view(torch.int16))
-    else:
-        assert torch.equal(recv[1][:n], partials[0][0]) and recv[1][n:].isnan().all()
-        assert flags[1][:num_programs].eq(1).all() and flags[1][num_programs:].eq(0).all()
-    out1 = gemv.gemv(xs[1], weights[1], silu_input=silu_input, all_reduce=(recv[0], flags[0], recv[1], flags[1]))
+    assert recv[0].view(torch.int16).eq(0).all(), "rank 0 zeroes every word it read"
+    assert torch.equal(recv[1].view(torch.int16), _words(partials[0][0], padded).view(torch.int16))
+    out1 = gemv.gemv(xs[1], weights[1], silu_input=silu_input, all_reduce=(recv[0], recv[1]))
     assert torch.equal(out1, out0)
 
 
-def _deliver(gemv, values: torch.Tensor, recv: torch.Tensor, flags: torch.Tensor, num_programs: int) -> None:
-    """What the other rank's exchange leaves in ``recv``/``flags``: the values and raised
-    flags, or (the low-latency protocol) each pair of values in a 64-bit word, flag 1 on top."""
-    if not gemv.LL_EXCHANGE:
-        recv[: values.numel()] = values
-        flags[:num_programs] = 1
-        return
-    words = recv.view(torch.int64)
-    bits = torch.zeros(2 * words.numel(), dtype=torch.int64)
+def _words(values: torch.Tensor, padded: int) -> torch.Tensor:
+    """What an exchange writes into the other rank's buffer: each pair of 16-bit values (the
+    tile past ``values`` zero) in a 64-bit word with 1 in its high half, as 16-bit values."""
+    bits = torch.zeros(padded, dtype=torch.int64)
     bits[: values.numel()] = values.view(torch.int16).to(torch.int64) & 0xFFFF
-    words.copy_(bits[0::2] | (bits[1::2] << 16) | (1 << 32))
+    return (bits[0::2] | (bits[1::2] << 16) | (1 << 32)).view(values.dtype)
 
 
 def test_linear_dispatch_keeps_batches_and_float32_on_torch():

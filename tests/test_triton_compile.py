@@ -98,17 +98,17 @@ SCRIPT = textwrap.dedent(
             dict.fromkeys(["y_ptr", "x_ptr", "w_ptr", "b_ptr", "residual_ptr", "residual_out_ptr", "norm_weight_ptr"], "*bf16")
             | {"eps": "fp32"},
             dict(HAS_BIAS=False, SILU_INPUT=silu, NORM=norm, HAS_RESIDUAL=residual, PREFETCH=False, ALL_REDUCE=False,
-                 LL_EXCHANGE=False, BLOCK_N=4, BLOCK_K=1024, EVEN_K=even_k, USE_PDL=True, INTERPRETED=False,
+                 BLOCK_N=4, BLOCK_K=1024, EVEN_K=even_k, USE_PDL=True, INTERPRETED=False,
                  num_warps=4, launch_pdl=True),
         )
-    for silu, ll in [(False, True), (True, True), (False, False)]:  # the two-rank all-reduce's exchange
+    for silu in (False, True):  # the two-rank all-reduce's exchange
         compile_kernel(
             triton_gemv._gemv_kernel,
             dict.fromkeys(["y_ptr", "x_ptr", "w_ptr", "b_ptr", "residual_ptr", "residual_out_ptr", "norm_weight_ptr",
                            "send_ptr", "recv_ptr"], "*bf16")
-            | {"send_flags_ptr": "*i32", "recv_flags_ptr": "*i32", "eps": "fp32"},
+            | {"eps": "fp32"},
             dict(HAS_BIAS=False, SILU_INPUT=silu, NORM=False, HAS_RESIDUAL=False, PREFETCH=False, ALL_REDUCE=True,
-                 LL_EXCHANGE=ll, BLOCK_N=8, BLOCK_K=1024, EVEN_K=True, USE_PDL=True, INTERPRETED=False, num_warps=4,
+                 BLOCK_N=8, BLOCK_K=1024, EVEN_K=True, USE_PDL=True, INTERPRETED=False, num_warps=4,
                  launch_pdl=True),
         )
     print("compiled")

@@ -5,7 +5,8 @@
 #   run_far.sh [TESTS=...] ORDER...   e.g. `run_far.sh fused kernel fused kernel tp1`
 #   (`nccl`: the all-reduce by NCCL, --disable-custom-all-reduce; `bnN`: fused with BLOCK_N=N, through
 #   PAGELM_GEMV_ALL_REDUCE_BLOCK_N, an experiment knob of call 2 that was taken out again)
-#   (`flags`: fused, the exchange by per-tile flags, not the 64-bit words of call 5's default)
+#   (`flags`: fused, the exchange by per-tile flags, not the 64-bit words of call 5's default;
+#   PAGELM_EXCHANGE_PROTOCOL existed only at 06daa05, the tree of call 5)
 #   A `tests` entry in ORDER runs $TESTS there (else they run first).
 # TESTS: pytest node ids run first (GPU tests). Logs and JSON under $OUT; `log` is the summary.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
