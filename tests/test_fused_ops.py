@@ -469,9 +469,9 @@ def test_a_gemv_kernel_registered_without_prefetch_is_called_without_it():
         pass
 
     following = torch.zeros(4, 4)
-    assert ops._prefetch_kwargs(before_2_20, following) == {}
-    assert ops._prefetch_kwargs(since_2_20, following)["prefetch"] is following
-    assert ops._prefetch_kwargs(since_2_20, None) == {}
+    assert ops._optional_kwargs(before_2_20, following) == {}
+    assert ops._optional_kwargs(since_2_20, following)["prefetch"] is following
+    assert ops._optional_kwargs(since_2_20, None) == {}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -131,10 +131,15 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, use_triton: bool | None):
     return fused_kernel("gemv") if applies else None
 
 
-def _prefetch_kwargs(gemv, prefetch: torch.Tensor | None) -> dict:
-    """The GEMV's ``prefetch`` argument (plugin API 2.20), passed only when there is a weight
-    to prefetch and the registered kernel takes it: one written before 2.20 still runs."""
-    return {"prefetch": prefetch} if prefetch is not None and _takes(gemv, "prefetch") else {}
+def _optional_kwargs(gemv, prefetch: torch.Tensor | None, all_reduce: tuple | None = None) -> dict:
+    """The GEMV's optional arguments: ``prefetch`` (plugin API 2.20), passed only when there
+    is a weight to prefetch and the registered kernel takes it (one written before 2.20 still
+    runs); ``all_reduce`` (2.21), which callers pass only where ``fuses_all_reduce`` said so."""
+    kwargs = {"prefetch": prefetch} if prefetch is not None and _takes(gemv, "prefetch") else {}
+    if all_reduce is not None:
+        assert _takes(gemv, "all_reduce"), "fuses_all_reduce(x, weight) is False"
+        kwargs["all_reduce"] = all_reduce
+    return kwargs
 
 
 @functools.cache
@@ -168,11 +173,9 @@ def linear(
     output over two ranks (``pagelm.distributed.fused_all_reduce_buffers``); only where
     ``fuses_all_reduce`` says so."""
     gemv = _gemv(x, weight, use_triton)
-    if all_reduce is not None:
-        assert gemv is not None and _takes(gemv, "all_reduce"), "fuses_all_reduce(x, weight) is False"
-        return gemv(x, weight, bias, all_reduce=all_reduce, **_prefetch_kwargs(gemv, prefetch))
     if gemv is not None:
-        return gemv(x, weight, bias, **_prefetch_kwargs(gemv, prefetch))
+        return gemv(x, weight, bias, **_optional_kwargs(gemv, prefetch, all_reduce))
+    assert all_reduce is None, "fuses_all_reduce(x, weight) is False"
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -189,11 +192,9 @@ def silu_and_mul_linear(
     one kernel (the activation computed while loading) where the GEMV applies.
     ``all_reduce`` as for ``linear``."""
     gemv = _gemv(x, weight, use_triton)
-    if all_reduce is not None:
-        assert gemv is not None and _takes(gemv, "all_reduce"), "fuses_all_reduce(x, weight) is False"
-        return gemv(x, weight, bias, silu_input=True, all_reduce=all_reduce, **_prefetch_kwargs(gemv, prefetch))
     if gemv is not None:
-        return gemv(x, weight, bias, silu_input=True, **_prefetch_kwargs(gemv, prefetch))
+        return gemv(x, weight, bias, silu_input=True, **_optional_kwargs(gemv, prefetch, all_reduce))
+    assert all_reduce is None, "fuses_all_reduce(x, weight) is False"
     return linear(silu_and_mul(x, use_triton=use_triton), weight, bias, use_triton=use_triton)
 
 
@@ -212,7 +213,7 @@ def rms_norm_linear(
     weight, bias), h)``. One kernel where the GEMV applies (the norm in its prologue)."""
     gemv = _gemv(x, weight, use_triton) if residual is None or residual.stride(-1) == 1 else None
     if gemv is not None:
-        return gemv(x, weight, bias, norm=(norm_weight, eps, residual), **_prefetch_kwargs(gemv, prefetch))
+        return gemv(x, weight, bias, norm=(norm_weight, eps, residual), **_optional_kwargs(gemv, prefetch))
     normed, h = rms_norm(x, norm_weight, eps, residual, use_triton=use_triton)
     return linear(normed, weight, bias, use_triton=use_triton), h
 
