@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagelm.sample import LogprobsTensors, Sampler, SamplingMetadata
-from pagelm.sample.sampler import apply_top_k_top_p, apply_top_k_without_sort
+from pagelm.sample.sampler import apply_top_k_top_p, apply_top_k_without_sort, cdf_index, exponential_race, inverse_cdf
 
 NEG_INF = float("-inf")
 
@@ -233,3 +233,32 @@ def test_temperature_sharpens_distribution():
     freq = torch.bincount(tokens, minlength=4).float() / draws
     assert torch.allclose(freq, (logits / 0.5).softmax(-1), atol=0.02)
     assert math.isclose(freq.sum().item(), 1.0)
+
+
+def test_cpu_draws_by_inverse_cdf_and_the_noise_still_decides_when_given():
+    # On the CPU the sampler takes one uniform per row (inverse CDF); noise drawn beforehand
+    # (what CUDA queues at launch) still runs the exponential race over exactly that noise.
+    logits = torch.tensor([[1.0, 0.0, -0.5, 2.0], [0.3, 0.2, 0.1, 0.0]])
+    md = make_md([1.0, 1.0])
+    got = Sampler()(logits, md, torch.Generator().manual_seed(5)).sampled_token_ids
+    want = inverse_cdf(logits.softmax(-1), {}, torch.Generator().manual_seed(5))
+    assert got.tolist() == want.tolist()
+    noise = torch.tensor([[1.0, 1.0, 1.0, 1e-6], [1e-6, 1.0, 1.0, 1.0]])
+    assert Sampler()(logits, md, None, noise).sampled_token_ids.tolist() == [3, 0]
+    assert exponential_race(logits.softmax(-1), {}, None, noise).tolist() == [3, 0]
+
+
+def test_inverse_cdf_never_lands_on_a_zero_probability_token():
+    # The target is held under the row's total even at u = 1 (past what rand gives, where a
+    # rounding of u * total would land): the last token with mass is found, not the
+    # zero-probability ones after it, nor an index past the row.
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0], [0.1, 0.0, 0.2, 0.0, 0.0, 0.0]])
+    assert cdf_index(probs, torch.ones(2, 1)).tolist() == [3, 2]
+    assert cdf_index(probs, torch.full((2, 1), 1.0 - 2.0**-24)).tolist() == [3, 2]
+    assert cdf_index(probs, torch.zeros(2, 1)).tolist() == [1, 0]
+    # Unnormalised rows (the rejection sampler's residuals) sample in proportion.
+    draws = 20_000
+    rows = torch.tensor([0.0, 2.0, 0.0, 6.0]).expand(draws, 4)
+    freq = torch.bincount(inverse_cdf(rows, {}, torch.Generator().manual_seed(3)), minlength=4).float() / draws
+    assert freq[0] == 0 and freq[2] == 0
+    assert torch.allclose(freq, torch.tensor([0.0, 0.25, 0.0, 0.75]), atol=0.02)

@@ -32,9 +32,9 @@ from pagelm.sample.metadata import SamplingMetadata
 from pagelm.sample.sampler import (
     LogprobsTensors,
     Sampler,
-    exponential_race,
     gather_logprobs,
     process_logits,
+    sample_from_probs,
     sampling_probs,
 )
 from pagelm.sampling_params import SAMPLING_EPS
@@ -114,8 +114,8 @@ class RejectionSampler:
         mass = residual.sum(dim=1, keepdim=True)
         # p == q leaves no residual, but then the draft is always accepted: any row will do.
         residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_draft)
-        recovered = exponential_race(residual, _subset(md.generators, draft_rows), generator)
-        bonus = exponential_race(p[b_rows], _subset(md.generators, bonus_rows), generator)
+        recovered = sample_from_probs(residual, _subset(md.generators, draft_rows), generator)
+        bonus = sample_from_probs(p[b_rows], _subset(md.generators, bonus_rows), generator)
 
         accept_l, recovered_l, bonus_l = accept.tolist(), recovered.tolist(), bonus.tolist()
         tokens, accepted, chosen, k = [], [], [], 0

@@ -7,6 +7,7 @@ Processing order (each stage is skipped when no row in the batch uses it)::
         ├─ allowed_token_mask ─ requests' logits rows ─ banned ids ─ penalties ──► greedy: argmax
         │
         └─ temperature ─ min_p ─ top_k ─ top_p ─ softmax ─ exponential race ──► random rows
+                                                            (CPU: inverse CDF)
 
 On CUDA the model runner samples a batch of random rows with nothing but a temperature (and
 a guided-decoding bitmask) in one Triton kernel instead (the ``exponential_race`` fused kernel,
@@ -58,7 +59,7 @@ class Sampler(nn.Module):
         logits = process_logits(logits, md)
         sampled = None if md.all_random else logits.argmax(dim=-1)
         if not md.all_greedy:
-            random = exponential_race(sampling_probs(logits, md), md.generators, generator, noise)
+            random = sample_from_probs(sampling_probs(logits, md), md.generators, generator, noise)
             sampled = random if sampled is None else torch.where(md.temperature < SAMPLING_EPS, sampled, random)
         logprobs = None if raw_logprobs is None else gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
@@ -223,6 +224,47 @@ def apply_top_k_without_sort(logits: torch.Tensor, top_k: torch.Tensor, max_top_
     kth_largest = largest.gather(-1, (k - 1)[:, None])
     kth_largest = kth_largest.masked_fill((top_k <= 0)[:, None], float("-inf"))
     return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def sample_from_probs(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    generator: torch.Generator | None,
+    q: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token per row of ``probs`` (rows need not sum to 1), from its own ``generators[row]``
+    if it has one, else from ``generator``.
+
+    With noise ``q`` drawn beforehand, or on CUDA: the exponential race (no cumsum, no host
+    sync, and one Triton kernel when fused). On the CPU, where nothing is queued ahead: the
+    inverse CDF, one uniform per row against the row's running sum. The race draws a number
+    per vocabulary entry; for 16 rows of 2,048 on one core the race took 230 us and the
+    inverse CDF 60 us, about 3% of a served decode step of the demo model."""
+    if q is None and probs.device.type == "cpu":
+        return inverse_cdf(probs, generators, generator)
+    return exponential_race(probs, generators, generator, q)
+
+
+def inverse_cdf(
+    probs: torch.Tensor, generators: dict[int, torch.Generator], generator: torch.Generator | None
+) -> torch.Tensor:
+    """``cdf_index`` of one ``u ~ U[0, 1)`` per row; a seeded row draws its ``u`` from its own
+    generator, so its token depends on nothing else in the batch."""
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device)
+    for row, row_generator in generators.items():
+        u[row] = torch.rand(1, generator=row_generator, device=probs.device)
+    return cdf_index(probs, u)
+
+
+def cdf_index(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose running sum exceeds ``u * total`` (``u`` [N, 1] in [0,
+    1)). The target is kept strictly below the row's total, where rounding could put ``u *
+    total`` on it, so the token found always has a non-zero probability: the running sum
+    steps over the target at it."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def exponential_race(
