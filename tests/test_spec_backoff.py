@@ -86,6 +86,23 @@ def test_a_proposal_that_finds_nothing_counts_as_a_miss():
     assert backoff.cap(rows, np.array([3]))[0] == 3
 
 
+def test_deeply_backed_off_means_four_misses_running_or_the_longest_pause():
+    backoff = DraftBackoff(2, backoff_after=2, max_backoff_steps=32)
+    rows = np.array([0, 1])
+    for misses in range(1, 5):
+        backoff.observe(rows[:1], np.array([3]), np.array([0]))
+        assert backoff.deep(rows[:1]) == (misses >= 4), misses
+    assert not backoff.deep(rows)  # row 1 drafts every step: the step is followed
+    assert not backoff.deep(rows[:0])
+    capped = DraftBackoff(1, backoff_after=1, max_backoff_steps=4)  # pauses 2, then 4 = the cap
+    capped.observe(rows[:1], np.array([3]), np.array([0]))
+    assert not capped.deep(rows[:1])
+    capped.observe(rows[:1], np.array([3]), np.array([0]))
+    assert capped.deep(rows[:1])
+    capped.observe(rows[:1], np.array([3]), np.array([1]))  # a hit: drafting every step again
+    assert not capped.deep(rows[:1])
+
+
 # ---- through the engine ---------------------------------------------------------------------
 
 
@@ -237,3 +254,44 @@ def test_adaptive_drafting_is_on_by_default():
 def test_malformed_backoff_settings_are_rejected_before_loading(llama_dir, bad, message):
     with pytest.raises(ValueError, match=message):
         LLM(str(llama_dir), speculative_config={**NGRAM, **bad})
+
+
+class NeverRightFollower(NeverRight):
+    """``NeverRight`` as a draft model with a KV cache of its own would be: every step comes
+    to ``propose`` (``needs_ahead_target``), drafting or not."""
+
+    name = "never_right_follower"
+    needs_every_step = False
+    needs_ahead_target = True
+    skips_deep_backoff = True
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.calls = 0
+
+    def propose(self, batch):
+        self.calls += 1
+        return super().propose(batch)
+
+
+class AlwaysFollower(NeverRightFollower):
+    name = "always_follower"
+    skips_deep_backoff = False
+
+
+def test_a_draft_model_stops_following_steps_where_everyone_is_deeply_backed_off(llama_dir, plain):
+    want, unused = plain
+    calls = {}
+    for proposer_cls in (NeverRightFollower, AlwaysFollower):
+        spec = {"method": proposer_cls.name, "num_speculative_tokens": 3, "token": unused}
+        with registered_proposer(proposer_cls):
+            llm, got, verify_steps = generate(llama_dir, REPETITIVE, speculative_config=spec)
+        assert got == want
+        proposer = llm.engine.core.runner.spec.proposer
+        assert proposer.backoff.deep(np.arange(4))
+        calls[proposer_cls.skips_deep_backoff] = proposer.calls
+    # Followed while anyone drafts or is backed off less than deeply (the first ~16 steps),
+    # then only for the probes: far fewer calls than the 200 steps. Without
+    # ``skips_deep_backoff`` every step after the prefill comes to ``propose``.
+    assert verify_steps < calls[True] < 0.25 * LONG.max_tokens
+    assert calls[False] >= LONG.max_tokens - 2

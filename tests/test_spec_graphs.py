@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from pagelm import LLM, SamplingParams
 from pagelm.spec_decode import DeviceDrafts
+from pagelm.plugins.spec_decode.backoff import DraftBackoff
 from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
 from pagelm.plugins.spec_decode import eagle as eagle_proposer
 from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs
@@ -238,11 +239,19 @@ def test_eagle_drafts_the_same_from_a_verification_graph_step(make_model, tmp_pa
     _drafts_the_same_with_and_without_graphs(model, {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")})
 
 
-def test_eagle_drafting_graphs_draft_what_the_eager_passes_draft(make_model, tmp_path, triton_on_cpu, eager_graphs):
+@pytest.mark.parametrize("follows_deep_backoff", [True, False], ids=["head-follows-every-step", "deep-backoff-skipped"])
+def test_eagle_drafting_graphs_draft_what_the_eager_passes_draft(
+    make_model, tmp_path, triton_on_cpu, eager_graphs, monkeypatch, follows_deep_backoff
+):
     """The head's graphs (padded batches, every pass over every row): the whole proposal
     after a verification graph step, passes 2..k after any other step. Every proposal has
     exactly the drafts of the eager passes (over the requests still drafting), step by
-    step, and the tokens are those of decoding without speculation."""
+    step, and the tokens are those of decoding without speculation. With the head made to
+    follow every step (as before deep backoff), the steps after which nobody drafts replay
+    pass 1 alone; by default such steps, once every request is deeply backed off, skip the
+    head in both runs alike."""
+    if follows_deep_backoff:
+        monkeypatch.setattr(DraftBackoff, "deep", lambda self, rows: False)
     model = make_model("spec_llama", "llama")
     train_eagle_head(model, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
     config = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
@@ -254,7 +263,9 @@ def test_eagle_drafting_graphs_draft_what_the_eager_passes_draft(make_model, tmp
             # After decode steps every pass is one graph; a step after which nobody drafts
             # (backed off) replays pass 1 alone.
             assert proposer.decode_graphs.query_len == 1 and proposer.decode_graphs.num_replays > 0
-            assert sorted(proposer.kv_graphs) == [1, 4] and proposer.kv_graphs[1].num_replays > 0
+            assert sorted(proposer.kv_graphs) == [1, 4]
+            if follows_deep_backoff:
+                assert proposer.kv_graphs[1].num_replays > 0
         else:
             assert proposer.graphs is None and proposer.step_graphs is None and not proposer.kv_graphs
 

@@ -68,6 +68,11 @@ class DraftProposer(Proposer):
 
     # Whether ``propose`` reads ``ProposalBatch.token_ids`` (a host token table is kept for it).
     uses_token_ids: ClassVar[bool] = True
+    # A draft model with a KV cache of its own (``needs_ahead_target``) that can draft over
+    # stale KV sets it: steps in which every request is deeply backed off
+    # (``DraftBackoff.deep``) then do not come to ``propose``. False keeps it called for
+    # every step.
+    skips_deep_backoff: ClassVar[bool] = False
 
     def __init__(self, config, target, device, dtype) -> None:
         super().__init__(config, target, device, dtype)
@@ -97,7 +102,7 @@ class DraftProposer(Proposer):
         max_drafts = self._backed_off(rows, np.where(sampled, self._room(step), 0), step.num_drafts, sampled)
         if step.ahead:  # drafts would come too late
             max_drafts = np.zeros_like(max_drafts)
-        if not max_drafts.any() and not (self.needs_every_step or self.needs_ahead_target):
+        if not max_drafts.any() and not (self.needs_every_step or self._follows(rows)):
             return [[] for _ in range(n)]
         target = step.target
         batch = ProposalBatch(
@@ -138,6 +143,17 @@ class DraftProposer(Proposer):
         if (backoff.resume_step[rows] <= backoff.step).any():
             return True
         return any(self.rows.is_new(s) for s in requests)
+
+    def _follows(self, rows: np.ndarray) -> bool:
+        """Whether a step in which nobody drafts still goes to ``propose`` (a draft model
+        writes its KV for it: ``needs_ahead_target``). Not when the proposer
+        ``skips_deep_backoff`` and every request in the step is deeply backed off
+        (``DraftBackoff.deep``): the step is then plain decoding, and the draft model's KV at
+        its positions is left stale. Outputs stay exact (drafts are verified); what the stale
+        KV costs is acceptance, when those requests probe again."""
+        if not self.needs_ahead_target:
+            return False
+        return not (self.skips_deep_backoff and self.backoff is not None and self.backoff.deep(rows))
 
     def _room(self, step: FinishedStep) -> np.ndarray:
         """Drafts each request may take: k, fewer near max_model_len or max_tokens (all of
