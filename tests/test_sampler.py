@@ -256,6 +256,9 @@ def test_inverse_cdf_never_lands_on_a_zero_probability_token():
     assert cdf_index(probs, torch.ones(2, 1)).tolist() == [3, 2]
     assert cdf_index(probs, torch.full((2, 1), 1.0 - 2.0**-24)).tolist() == [3, 2]
     assert cdf_index(probs, torch.zeros(2, 1)).tolist() == [1, 0]
+    # A row with no mass (softmax of all -inf: NaN) gets an id in range all the same.
+    nan_row = torch.full((1, 6), float("-inf")).softmax(-1)
+    assert 0 <= cdf_index(nan_row, torch.full((1, 1), 0.5)).item() < 6
     # Unnormalised rows (the rejection sampler's residuals) sample in proportion.
     draws = 20_000
     rows = torch.tensor([0.0, 2.0, 0.0, 6.0]).expand(draws, 4)

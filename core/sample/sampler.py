@@ -260,11 +260,13 @@ def cdf_index(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row, the first token whose running sum exceeds ``u * total`` (``u`` [N, 1] in [0,
     1)). The target is kept strictly below the row's total, where rounding could put ``u *
     total`` on it, so the token found always has a non-zero probability: the running sum
-    steps over the target at it."""
+    steps over the target at it. A row with no mass at all (a grammar that allows no token:
+    the softmax of all -inf is NaN) still gets an id in range, as the race's argmax gives
+    one, so that the check after sampling names the cause instead of an index error."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def exponential_race(
