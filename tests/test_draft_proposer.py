@@ -51,7 +51,7 @@ def finished(requests, num_sampled, num_drafts=None, ahead=False) -> FinishedSte
     return FinishedStep(
         requests=requests, rows=rows, num_drafts=np.zeros(n, dtype=np.int64) if num_drafts is None else np.asarray(num_drafts),
         num_sampled=num_sampled, num_tokens=np.array([len(r.token_ids) for r in requests]), max_model_len=MAX_MODEL_LEN,
-        ahead=ahead, target=target,
+        ahead=ahead, make_target=lambda: target,
     )
 
 

@@ -55,7 +55,21 @@ def test_the_pause_stops_doubling_at_max_backoff_steps():
 
 def test_an_accepted_draft_resets_the_request_to_drafting_every_step():
     backoff = DraftBackoff(1, backoff_after=2, max_backoff_steps=32)
-    assert run_schedule(backoff, [None, 0, 0, None, None, 1, None, 0]) == [3, 3, 0, 0, 3, 3, 3, 3]
+    # The probe at step 4 drafts one token; it is accepted, and k drafts come back.
+    assert run_schedule(backoff, [None, 0, 0, None, None, 1, None, 0]) == [3, 3, 0, 0, 1, 3, 3, 3]
+
+
+def test_a_probe_drafts_one_token_and_a_miss_ends_it():
+    backoff = DraftBackoff(1, backoff_after=2, max_backoff_steps=32)
+    granted = []
+    for _ in range(40):
+        granted += run_schedule(backoff, [0 if granted and granted[-1] else None])
+    # Two misses with k drafts, then probes of one draft each (steps 4, 8, 16, 32).
+    assert [(t, g) for t, g in enumerate(granted) if g] == [(0, 3), (1, 3), (4, 1), (8, 1), (16, 1), (32, 1)]
+    # A probe is no more than the request may take: no room, no probe.
+    backoff = DraftBackoff(1, backoff_after=1, max_backoff_steps=2)
+    backoff.observe(np.array([0]), np.array([3]), np.array([0]))
+    assert [int(backoff.cap(np.array([0]), np.array([0]))[0]) for _ in range(3)] == [0, 0, 0]
 
 
 def test_requests_on_other_rows_are_not_affected_and_reset_clears_a_row():
@@ -218,7 +232,7 @@ def test_a_different_request_state_on_a_row_resets_it(llama_dir):
         one = np.array([1])
         return FinishedStep(
             requests=[request], rows=np.array([0]), num_drafts=np.array([0]), num_sampled=one, num_tokens=np.array([3]),
-            max_model_len=64, ahead=True, target=None,
+            max_model_len=64, ahead=True,
         )
 
     before = state()

@@ -41,7 +41,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
@@ -124,11 +125,19 @@ class FinishedStep:
     # the engine wants none, and ``target`` is None unless the proposer sets
     # ``needs_ahead_target``. It launched it only because ``may_draft`` said nobody may draft.
     ahead: bool
-    target: TargetPass | None
+    # Builds ``target`` (the engine's; None: the step has none for this proposer).
+    make_target: Callable[[], TargetPass | None] = field(default=lambda: None, repr=False)
 
     @property
     def num_reqs(self) -> int:
         return len(self.requests)
+
+    @cached_property
+    def target(self) -> TargetPass | None:
+        """The target's forward pass (``TargetPass``), built when first read: a step in which
+        the proposer drafts for nobody and follows nothing (adaptive drafting backed everyone
+        off) does not pay for it."""
+        return self.make_target()
 
 
 @dataclass
@@ -296,12 +305,11 @@ def proposer_name(proposer: Proposer) -> str:
 def checked_drafts(proposer: Proposer, drafts: Any, n: int, vocab_size: int) -> list[list[int]]:
     """``drafts`` as one list of token ids per request, or a ``PluginError`` naming the
     proposer and what is wrong (a few ints per request, checked in one numpy pass)."""
-    who = proposer_name(proposer)
     if not isinstance(drafts, (list, tuple)) or len(drafts) != n:
         got = f"{len(drafts)} lists" if isinstance(drafts, (list, tuple)) else repr(drafts)[:80]
-        raise PluginError(f"{who}: propose() must return one list of draft ids per request ({n}), got {got}")
+        raise PluginError(f"{proposer_name(proposer)}: propose() must return one list of draft ids per request ({n}), got {got}")
     if not all(isinstance(d, (list, tuple, np.ndarray)) for d in drafts):
-        raise PluginError(f"{who}: propose() returned a draft that is not a list of token ids: {drafts!r:.200}")
+        raise PluginError(f"{proposer_name(proposer)}: propose() returned a draft that is not a list of token ids: {drafts!r:.200}")
     drafts = [list(d) for d in drafts]
     check_draft_ids(proposer, [t for d in drafts for t in d], vocab_size)
     return drafts

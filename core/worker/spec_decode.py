@@ -315,10 +315,9 @@ class SpecDecodeRunner:
             num_tokens=starts_np + counts_np - num_drafts + num_sampled,
             max_model_len=self.max_model_len,
             ahead=ahead,
-            target=None,
         )
         if not ahead or self.proposer.needs_ahead_target:
-            finished.target = self._target_pass(runner, step, hidden, finished, starts_np, counts_np, out_ids)
+            finished.make_target = lambda: self._target_pass(runner, step, hidden, finished, starts_np, counts_np, out_ids)
         with host_sync_point():  # a proposer that returns lists reads its drafts on the host
             drafts = self.proposer.propose_step(finished)
         if isinstance(drafts, DeviceDrafts):

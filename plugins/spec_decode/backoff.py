@@ -34,6 +34,9 @@ FIRST_BACKOFF_STEPS = 2
 # steps and more): a draft model stops writing its KV for steps in which only such requests
 # run (``DraftBackoff.deep``).
 DEEP_BACKOFF_MISSES = 2
+# Drafts a probe may have: one answers whether the drafter pays again, at the least cost of
+# drafting and verification; an accepted one brings back the full ``k``.
+PROBE_DRAFTS = 1
 
 
 class DraftBackoff:
@@ -46,12 +49,14 @@ class DraftBackoff:
         self.max_backoff_steps = max_backoff_steps
         self.misses = np.zeros(max_num_reqs, dtype=np.int64)
         self.resume_step = np.zeros(max_num_reqs, dtype=np.int64)
+        self.is_deep = np.zeros(max_num_reqs, dtype=bool)  # ``deep``, per row, kept by ``_miss``
         self.step = 0  # the step being run; ``cap`` ends it
         self.num_skipped = 0  # request-steps that could have drafted but were backed off
 
     def reset(self, row: int | list[int]) -> None:
         self.misses[row] = 0
         self.resume_step[row] = 0
+        self.is_deep[row] = False
 
     def observe(self, rows: np.ndarray, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
         """This step's verification: request ``rows[i]`` had ``num_drafts[i]`` drafts and
@@ -60,6 +65,7 @@ class DraftBackoff:
         hit = rows[drafted & (num_accepted > 0)]
         self.misses[hit] = 0
         self.resume_step[hit] = 0
+        self.is_deep[hit] = False
         self._miss(rows[drafted & (num_accepted == 0)])
 
     def observe_empty(self, rows: np.ndarray) -> None:
@@ -72,8 +78,10 @@ class DraftBackoff:
         self.misses[missed] += 1
         over = self.misses[missed] - self.backoff_after
         backed = missed[over >= 0]
-        period = np.minimum(FIRST_BACKOFF_STEPS << np.minimum(over[over >= 0], 30), self.max_backoff_steps)
+        over = over[over >= 0]
+        period = np.minimum(FIRST_BACKOFF_STEPS << np.minimum(over, 30), self.max_backoff_steps)
         self.resume_step[backed] = (self.step // period + 1) * period
+        self.is_deep[backed] = (over >= DEEP_BACKOFF_MISSES) | (period >= self.max_backoff_steps)
 
     def deep(self, rows: np.ndarray) -> bool:
         """Whether every request on ``rows`` is deeply backed off: ``DEEP_BACKOFF_MISSES``
@@ -82,16 +90,15 @@ class DraftBackoff:
         would buy them is little. Keeping it in step cost a head pass per step: on the CPU,
         with every draft rejected, EAGLE ran at 0.55x of no speculation with it and 0.75x
         (batch 1) / 0.91x (batch 32) without (the demo model, 256 tokens)."""
-        if len(rows) == 0:
-            return False
-        over = self.misses[rows] - self.backoff_after
-        at_cap = (over >= 0) & (FIRST_BACKOFF_STEPS << np.clip(over, 0, 30) >= self.max_backoff_steps)
-        return bool(((over >= DEEP_BACKOFF_MISSES) | at_cap).all())
+        return len(rows) > 0 and bool(self.is_deep[rows].all())
 
     def cap(self, rows: np.ndarray, max_drafts: np.ndarray) -> np.ndarray:
         """``max_drafts`` (per request of the step, for the next one) with backed-off requests'
         set to 0. The step's last call: it ends the step."""
-        backed = (self.resume_step[rows] > self.step) & (max_drafts > 0)
-        self.num_skipped += int(backed.sum())
+        capped = np.where(self.resume_step[rows] > self.step, 0, max_drafts)
+        self.num_skipped += int(np.count_nonzero(capped < max_drafts))
         self.step += 1
-        return np.where(backed, 0, max_drafts)
+        probing = (self.misses[rows] >= self.backoff_after) & (capped > PROBE_DRAFTS)
+        if probing.any():
+            capped[probing] = PROBE_DRAFTS
+        return capped

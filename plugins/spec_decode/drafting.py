@@ -99,9 +99,11 @@ class DraftProposer(Proposer):
             if step.num_drafts.any():  # what this step's verification accepted
                 self.backoff.observe(rows, step.num_drafts, np.maximum(step.num_sampled - 1, 0))
         sampled = step.num_sampled > 0
-        max_drafts = self._backed_off(rows, np.where(sampled, self._room(step), 0), step.num_drafts, sampled)
+        max_drafts = self._backed_off(rows, np.where(sampled, self.num_speculative_tokens, 0), step.num_drafts, sampled)
         if step.ahead:  # drafts would come too late
             max_drafts = np.zeros_like(max_drafts)
+        elif max_drafts.any():
+            max_drafts = np.minimum(max_drafts, self._room(step))
         if not max_drafts.any() and not (self.needs_every_step or self._follows(rows)):
             return [[] for _ in range(n)]
         target = step.target
