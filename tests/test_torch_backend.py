@@ -97,6 +97,27 @@ def test_block_boundary_lengths():
     run_paged([(15, 1), (16, 1), (0, 16), (0, 17)], num_heads=2, num_kv_heads=1, head_dim=8, block_size=16)
 
 
+def test_verification_rows_batch_with_decodes_padded_to_the_longest():
+    """Rows of a few tokens after a cached prefix (a speculative verification's 1 + k) are
+    batched with the decode rows, each padded to the longest; longer ones stay prefill rows."""
+    seqs = [(20, 4), (7, 2), (33, 4), (5, 1), (0, 9), (9, 3), (12, 9)]
+    run_paged(seqs, num_heads=8, num_kv_heads=2, head_dim=16, block_size=4)
+    run_paged([(20, 4), (7, 4), (1, 4)], num_heads=4, num_kv_heads=4, head_dim=8, block_size=16)  # no padding rows
+    run_paged([(12, 5), (3, 2), (30, 4), (6, 1)], num_heads=4, num_kv_heads=1, head_dim=16, block_size=4, window=5)
+
+
+def test_short_rows_go_to_the_batched_path():
+    from pagelm.backends.torch.backend import SHORT_QUERY_LEN
+    from pagelm.testing.conformance import paged_metadata
+
+    table = torch.arange(40, dtype=torch.int32).view(4, 10)
+    ranges = [(20, 24), (7, 9), (0, 5), (30, 30 + SHORT_QUERY_LEN + 1)]
+    md = TorchAttentionBackend.make_metadata_builder(torch.device("cpu")).build(paged_metadata(table, ranges, 4, torch.device("cpu")))
+    assert md.decode.query_len == 4 and md.decode.query_pos.tolist() == [[20, 21, 22, 23], [7, 8, 8, 8]]
+    assert md.decode.real_rows.tolist() == [0, 1, 2, 3, 4, 5]
+    assert [(p.start, p.end) for p in md.prefills] == [(6, 11), (11, 11 + SHORT_QUERY_LEN + 1)]
+
+
 def test_sliding_window_in_decode_rows():
     run_paged([(12, 1), (3, 1), (30, 1), (0, 9)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, window=5)
 

@@ -10,8 +10,10 @@ calls rather than a loop of small ones per request:
   ``index_select`` into a buffer the layers share (a padded ``[batch, kv_heads,
   blocks * block_size, head_dim]`` view, each request's head one contiguous matrix; an
   additive mask, made once per step, hides the padding). Grouped-query heads share their
-  K/V through ``enable_gqa``, never copied.
-* **prefill rows** (several query tokens) run one call each: a prompt with nothing cached
+  K/V through ``enable_gqa``, never copied. Rows of a few tokens after a cached prefix (up to
+  ``SHORT_QUERY_LEN``: a speculative verification's ``1 + k``) join them, each padded to
+  the longest, the mask causal per query row.
+* **prefill rows** (more query tokens) run one call each: a prompt with nothing cached
   attends over the step's own keys with ``is_causal`` (no mask); a chunk after a cached
   prefix gathers its blocks and passes the offset causal mask. Both as 4-D tensors, which
   torch's fused CPU kernel needs (3-D ones take its unfused math path).
@@ -36,19 +38,30 @@ from pagelm.attention import (
 )
 
 
+# Rows of up to this many query tokens after a cached prefix are batched with the decode
+# rows (a speculative verification has 1 + k). A verification step of 32 requests went
+# through 32 attention calls a layer before, and cost two plain steps on the CPU.
+SHORT_QUERY_LEN = 8
+
+
 @dataclass
 class DecodeRows:
-    """The step's one-token requests, batched: which tokens they are (None: tokens
-    ``0..n-1``, the whole step), their blocks flattened row by row, and which of the padded
-    key positions each may see (as a bool, and as the float32 mask attention adds, 0 or
-    -inf: every layer without a sliding window shares it)."""
+    """The step's requests of one query token (decode) or a few after a cached prefix,
+    batched, each padded to ``query_len`` rows: which tokens they are (None: tokens
+    ``0..n-1``, the whole step, one each), which of the ``n * query_len`` rows are real (None:
+    all), their blocks flattened row by row, each query row's position, and which of the
+    padded key positions each query row may see (as a bool, and as the float32 mask
+    attention adds, 0 or -inf: every layer without a sliding window shares it). A padding
+    row repeats its request's last token and sees what it sees."""
 
-    token_index: torch.Tensor | None  # [n] int64
+    token_index: torch.Tensor | None  # [n * query_len] int64
+    real_rows: torch.Tensor | None  # [m] int64 indices into the n * query_len rows
+    query_len: int
     block_ids: torch.Tensor  # [n * blocks_per_row] int64
     blocks_per_row: int
-    seq_lens: torch.Tensor  # [n] int64, on the block table's device
-    visible: torch.Tensor  # [n, blocks_per_row * block_size] bool
-    mask: torch.Tensor  # [n, 1, 1, blocks_per_row * block_size] float32
+    query_pos: torch.Tensor  # [n, query_len] int64, on the block table's device
+    visible: torch.Tensor  # [n, query_len, blocks_per_row * block_size] bool
+    mask: torch.Tensor  # [n, 1, query_len, blocks_per_row * block_size] float32
 
 
 @dataclass
@@ -103,29 +116,47 @@ class TorchMetadataBuilder(AttentionMetadataBuilder):
         decodes, prefills = [], []
         for i in range(common.num_reqs):
             start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
-            if end - start == 1:
+            if end - start == 1 or (end - start <= SHORT_QUERY_LEN and seq_len > end - start):
                 decodes.append(i)
             elif end > start:
                 cached = seq_len > end - start
                 blocks = common.block_table[i, : -(-seq_len // block_size)].long() if cached else None
                 prefills.append(PrefillRow(start, end, seq_len, blocks))
-        decode = None
-        if decodes:
-            width = -(-max(seq_lens[i] for i in decodes) // block_size)
-            rows = torch.tensor(decodes, device=common.block_table.device)
-            all_tokens = len(decodes) == common.num_actual_tokens
-            decode_lens = torch.tensor([seq_lens[i] for i in decodes], device=rows.device)
-            visible = torch.arange(width * block_size, device=rows.device)[None, :] < decode_lens[:, None]
-            mask = torch.zeros(visible.shape, device=rows.device).masked_fill_(~visible, float("-inf"))
-            decode = DecodeRows(
-                token_index=None if all_tokens else torch.tensor([qsl[i] for i in decodes], device=rows.device),
-                block_ids=common.block_table[rows, :width].long().flatten(),
-                blocks_per_row=width,
-                seq_lens=decode_lens,
-                visible=visible,
-                mask=mask[:, None, None, :],
-            )
+        decode = _decode_rows(common, decodes, qsl, seq_lens) if decodes else None
         return TorchAttentionMetadata(common, decode, prefills, self.gather_buffer)
+
+
+def _decode_rows(common: CommonAttentionMetadata, decodes: list[int], qsl: list[int], seq_lens: list[int]) -> DecodeRows:
+    """The batched rows of requests ``decodes`` (their query tokens ``qsl[i]:qsl[i + 1]``)."""
+    device, block_size = common.block_table.device, common.block_size
+    query_lens = [qsl[i + 1] - qsl[i] for i in decodes]
+    q = max(query_lens)
+    width = -(-max(seq_lens[i] for i in decodes) // block_size)
+    rows = torch.tensor(decodes, device=device)
+    if q == 1:
+        token_index = None if len(decodes) == common.num_actual_tokens else torch.tensor([qsl[i] for i in decodes], device=device)
+        real_rows = None
+        query_pos = torch.tensor([seq_lens[i] - 1 for i in decodes], device=device)[:, None]
+    else:  # row j of request i: its token min(j, len - 1), at position seq_len - len + that
+        token_index = torch.tensor([qsl[i] + min(j, n - 1) for i, n in zip(decodes, query_lens) for j in range(q)], device=device)
+        real_rows = None if all(n == q for n in query_lens) else torch.tensor(
+            [r * q + j for r, n in enumerate(query_lens) for j in range(n)], device=device
+        )
+        query_pos = torch.tensor(
+            [[seq_lens[i] - n + min(j, n - 1) for j in range(q)] for i, n in zip(decodes, query_lens)], device=device
+        )
+    visible = torch.arange(width * block_size, device=device)[None, None, :] <= query_pos[:, :, None]
+    mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+    return DecodeRows(
+        token_index=token_index,
+        real_rows=real_rows,
+        query_len=q,
+        block_ids=common.block_table[rows, :width].long().flatten(),
+        blocks_per_row=width,
+        query_pos=query_pos,
+        visible=visible,
+        mask=mask[:, None],
+    )
 
 
 class TorchAttentionImpl(AttentionImpl):
@@ -145,13 +176,15 @@ class TorchAttentionImpl(AttentionImpl):
         out = torch.empty_like(query)
         if metadata.decode is not None:
             rows = metadata.decode
-            n = rows.seq_lens.shape[0]
+            n = rows.query_pos.shape[0]
             q = query[:n] if rows.token_index is None else query.index_select(0, rows.token_index)
             o = self._decode(q, kv_cache, rows, metadata.gather_buffer)
             if rows.token_index is None:
                 out[:n] = o
-            else:
+            elif rows.real_rows is None:
                 out.index_copy_(0, rows.token_index, o)
+            else:  # padding rows dropped (each repeats a real one)
+                out.index_copy_(0, rows.token_index[rows.real_rows], o[rows.real_rows])
         for row in metadata.prefills:
             q = query[row.start : row.end]
             if row.block_ids is None:
@@ -162,7 +195,8 @@ class TorchAttentionImpl(AttentionImpl):
         return out.view(-1, spec.num_heads * spec.head_dim)
 
     def _decode(self, q, kv_cache, rows: DecodeRows, buffer: GatherBuffer) -> torch.Tensor:
-        """``q`` [n, heads, dim] -> [n, heads, dim], each row over its own padded blocks.
+        """``q`` [n * query_len, heads, dim] -> the same, each row over its request's padded
+        blocks, as far as its own position.
 
         One query row per head, ``enable_gqa``, as before the cache went heads-outermost.
         Going in as ``[n, kv_heads, group, dim]`` (a KV head's query heads as its rows) was
@@ -170,23 +204,27 @@ class TorchAttentionImpl(AttentionImpl):
         comparison of a pipelined run with a one-stage one
         (``tests/test_pipeline_parallel.py``) failed; its cause was not pinned down."""
         spec = self.spec
-        n, width = q.shape[0], rows.visible.shape[1]
+        (n, ql), width = rows.query_pos.shape, rows.visible.shape[2]
         # [2, kv_heads, n, width, dim] -> each of k, v [n, kv_heads, width, dim], every
         # (row, head) a contiguous [width, dim] matrix.
         k, v = _gather(kv_cache, rows.block_ids, buffer).view(2, spec.num_kv_heads, n, width, spec.head_dim).transpose(1, 2)
         mask = rows.mask
         if spec.sliding_window is not None:
-            k_pos = torch.arange(width, device=q.device)[None, :]
-            mask = (rows.visible & (k_pos >= rows.seq_lens[:, None] - spec.sliding_window))[:, None, None, :]
+            k_pos = torch.arange(width, device=q.device)[None, None, :]
+            mask = (rows.visible & (k_pos > rows.query_pos[:, :, None] - spec.sliding_window))[:, None]
+        # [n * ql, heads, dim] -> [n, heads, ql, dim] (one token: the view decode always had)
+        q4 = q[:, :, None] if ql == 1 else q.view(n, ql, spec.num_heads, spec.head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            q[:, :, None].float(),
+            q4.float(),
             k.float(),
             v.float(),
             attn_mask=mask,
             scale=spec.scale,
             enable_gqa=spec.num_heads != spec.num_kv_heads,
         )
-        return o[:, :, 0].to(q.dtype)
+        if ql == 1:
+            return o[:, :, 0].to(q.dtype)
+        return o.transpose(1, 2).reshape(n * ql, spec.num_heads, spec.head_dim).to(q.dtype)
 
     def _prefill(self, q, k, v, seq_len: int) -> torch.Tensor:
         """One request's ``q`` [L, heads, dim], the last ``L`` of its ``seq_len`` positions,
