@@ -9,7 +9,7 @@ a YAML key) with vLLM's names::
 
 and, for any method, adaptive drafting (``pagelm.spec_decode.backoff``): ``"adaptive"``
 (default true), ``"backoff_after"`` misses in a row before a request stops drafting (default
-2), ``"max_backoff_steps"`` the longest pause between its probes (default 32).
+2), ``"max_backoff_steps"`` the longest pause between its probes (default 128).
 
 Shapes and types are checked here, with the rest of the engine config; whether ``method`` is
 registered, and what that proposer needs (``model`` for EAGLE and Medusa), is checked at engine
@@ -36,11 +36,12 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     # Draft model directory (EAGLE head, Medusa heads).
     model: str | None = None
-    # Adaptive drafting: a request whose drafts are rejected ``backoff_after`` verifications in
-    # a row stops drafting, probing again after 2, 4, ... up to ``max_backoff_steps`` steps.
+    # Adaptive drafting: a request whose drafts miss ``backoff_after`` verifications in a row
+    # stops drafting, probing again after 2, 4, ... up to ``max_backoff_steps`` steps (a
+    # probe drafts one token; 128: a drafter that never pays costs a probe per 128 steps).
     adaptive: bool = True
     backoff_after: int = 2
-    max_backoff_steps: int = 32
+    max_backoff_steps: int = 128
     # Other keys, for third-party proposers (they check them in ``Proposer.validate``).
     options: dict[str, Any] = field(default_factory=dict)
 

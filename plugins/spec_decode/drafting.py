@@ -69,7 +69,7 @@ class DraftProposer(Proposer):
     # Whether ``propose`` reads ``ProposalBatch.token_ids`` (a host token table is kept for it).
     uses_token_ids: ClassVar[bool] = True
     # A draft model with a KV cache of its own (``needs_ahead_target``) that can draft over
-    # stale KV sets it: steps in which every request is deeply backed off
+    # stale KV sets it: steps in which every request is backed off
     # (``DraftBackoff.deep``) then do not come to ``propose``. False keeps it called for
     # every step.
     skips_deep_backoff: ClassVar[bool] = False
@@ -149,7 +149,7 @@ class DraftProposer(Proposer):
     def _follows(self, rows: np.ndarray) -> bool:
         """Whether a step in which nobody drafts still goes to ``propose`` (a draft model
         writes its KV for it: ``needs_ahead_target``). Not when the proposer
-        ``skips_deep_backoff`` and every request in the step is deeply backed off
+        ``skips_deep_backoff`` and every request in the step is backed off
         (``DraftBackoff.deep``): the step is then plain decoding, and the draft model's KV at
         its positions is left stale. Outputs stay exact (drafts are verified); what the stale
         KV costs is acceptance, when those requests probe again."""

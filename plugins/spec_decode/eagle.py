@@ -14,12 +14,12 @@ and the KV they leave is overwritten when those positions are computed again, ex
 the target's. Pass 1 covers every request, also those that draft nothing this step
 (``max_num_drafts`` 0: a prefill chunk, or backed off by adaptive drafting): the head's KV at
 their positions is what it attends to once they draft again. The exception is a step in which
-every request is *deeply* backed off (four misses running, ``DraftBackoff.deep``): the head
+every request is backed off (pausing between probes, ``DraftBackoff.deep``): the head
 skips it, so that a drafter that does not pay costs plain decoding between its probes, and
 its KV at those positions stays stale (outputs are exact all the same; acceptance is what a
 probe over stale KV may lose). With every draft rejected on the demo model (CPU, 256 tokens),
 following every step ran at 0.55x of no speculation, skipping at 0.75x (batch 1) and 0.91x
-(batch 32); with the trained head acceptance was the same (2.42 and 2.32 against 2.40 and 2.32). Drafts are the head's argmax (a
+(batch 32); the trained head's tokens per step did not move (1.80 either way). Drafts are the head's argmax (a
 one-hot proposal), which the rejection sampler verifies exactly, for greedy and sampled
 requests alike; over the head's draft vocabulary when its checkpoint has one (``draft_vocab``:
 only those rows of the target's LM head are read).
@@ -77,7 +77,7 @@ class EagleProposer(DraftProposer):
     # runs over them with no drafts asked.
     needs_every_step = False
     needs_ahead_target = True
-    # Except in steps where every request is deeply backed off (four misses running): the
+    # Except in steps where every request is backed off (between its probes): the
     # head then skips them, and its KV at their positions goes stale (``DraftProposer``).
     skips_deep_backoff = True
     # Under pipeline parallelism the head lives on the last stage (the target's hidden states
