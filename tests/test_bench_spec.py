@@ -134,6 +134,35 @@ def test_latency_measures_an_eagle_head(llama_dir, tmp_path):
     assert r["spec"]["num_drafts"] > 0 and r["spec"]["num_draft_tokens"] <= 2 * r["spec"]["num_drafts"]
 
 
+def test_paired_runs_take_turns_in_two_processes_and_report_each_pairs_speedup(llama_dir, tmp_path, capsys):
+    out = tmp_path / "latency.json"
+    rc = main([
+        "bench", "latency", "--model", str(llama_dir), "--batch-sizes", "1,2", *SMALL_REPEAT[:-1], "3",
+        "--speculative-config", NGRAM, "--compare", "spec-off", "--paired", "--spec-reject-all", "--json", str(out),
+    ])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["paired"] is True
+    for r in report["results"]:
+        assert len(r["paired_speedups"]) == 3 and all(s > 0 for s in r["paired_speedups"])
+        assert r["speedup"] == pytest.approx(sorted(r["paired_speedups"])[1])
+        # The speculative engine drafted, and its process got --spec-reject-all: at batch 2 the
+        # target takes none of the shifted drafts (greedy, so the same every run; at batch 1
+        # it happens to pick a neighbour twice).
+        assert r["spec"]["num_draft_tokens"] > r["spec"]["num_accepted_tokens"]
+        if r["batch_size"] == 2:
+            assert r["spec"]["num_accepted_tokens"] == 0
+        assert r["spec_off"]["decode_tokens_per_s"] == pytest.approx(r["batch_size"] / r["spec_off"]["tpot_s"])
+        assert r["decode_tokens_per_s"] == pytest.approx(r["batch_size"] / r["tpot_s"])
+    printed = capsys.readouterr().out
+    assert "paired runs" in printed and "(median of 3 pairs)" in printed
+
+
+def test_paired_needs_the_spec_off_comparison(llama_dir):
+    with pytest.raises(SystemExit, match="--paired .* with --compare spec-off"):
+        main(["bench", "latency", "--model", str(llama_dir), *SMALL_REPEAT, "--speculative-config", NGRAM, "--paired"])
+
+
 def test_spec_off_comparison_needs_a_speculative_config(llama_dir):
     with pytest.raises(SystemExit, match="give --speculative-config"):
         main(["bench", "latency", "--model", str(llama_dir), *SMALL_REPEAT, "--compare", "spec-off"])

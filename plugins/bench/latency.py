@@ -21,7 +21,9 @@ Speculative decoding: with ``--speculative-config JSON`` (the engine's flag) eac
 reports the mean acceptance length of the timed runs, ``1 + accepted / drafts`` (tokens per
 verification step), beside the drafted and accepted token counts; ``--compare spec-off``
 first runs the same prompts without speculation in the same process, frees that engine, and
-reports the speedup in decode tokens/s. Roofline and MBU stay those of plain decoding (one
+reports the speedup in decode tokens/s; with ``--paired`` both engines stay up, each in a
+process of its own, and take turns run by run (``pagelm.plugins.bench.paired``: for
+host-bound models, whose speed drifts from minute to minute). Roofline and MBU stay those of plain decoding (one
 token per step), so speculation is what takes tokens/s past the roofline. ``--spec-reject-all``
 makes every draft wrong after the proposer ran: the overhead when nothing is accepted.
 
@@ -83,6 +85,12 @@ def add_parser(sub) -> None:
         "--speculative-config (spec-off: the speedup of speculative decoding)",
     )
     p.add_argument(
+        "--paired", action="store_true",
+        help="with --compare spec-off: both engines up at once, each in a process of its own, timed run by run in "
+        "turns; the speedup is the median over the pairs of runs (for host-bound models, whose speed drifts "
+        "from minute to minute)",
+    )
+    p.add_argument(
         "--spec-reject-all", action="store_true",
         help="shift every draft token id by one after the proposer ran, so that the target rejects it: the "
         "overhead of speculation when nothing is accepted",
@@ -127,6 +135,7 @@ class LatencyResult:
     hf: HFLatency | None = None
     spec: SpecCounts | None = None  # with --speculative-config
     spec_off: SpecOffLatency | None = None  # with --compare spec-off
+    paired_speedups: list[float] | None = None  # with --paired: plain TPOT / speculative TPOT, run by run
 
     @property
     def hf_ratio(self) -> float | None:
@@ -134,7 +143,10 @@ class LatencyResult:
 
     @property
     def speedup(self) -> float | None:
-        """Decode tokens/s with speculative decoding over without it."""
+        """Decode tokens/s with speculative decoding over without it: with ``--paired`` the
+        median over the pairs of runs, else the ratio of the two engines' medians."""
+        if self.paired_speedups:
+            return statistics.median(self.paired_speedups)
         return None if self.spec_off is None else self.decode_tokens_per_s / self.spec_off.decode_tokens_per_s
 
 
@@ -155,9 +167,18 @@ class SpecCounts:
         drafts = sum(o.metrics.spec_num_drafts for o in outputs)
         drafted = sum(o.metrics.spec_num_draft_tokens for o in outputs)
         accepted = sum(o.metrics.spec_num_accepted_tokens for o in outputs)
+        return cls.of(drafts, drafted, accepted)
+
+    @classmethod
+    def of(cls, drafts: int, drafted: int, accepted: int) -> "SpecCounts":
         return cls(
             drafts, drafted, accepted, mean_acceptance_length(drafts, accepted), acceptance_rate(drafted, accepted)
         )
+
+    @classmethod
+    def total(cls, counts: list["SpecCounts"]) -> "SpecCounts":
+        """The counts of several runs together."""
+        return cls.of(*(sum(getattr(c, f) for c in counts) for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")))
 
 
 @dataclass
@@ -215,28 +236,35 @@ def measure_pagelm(
 ) -> tuple[float, float, float, SpecCounts]:
     """Median (e2e, TTFT, TPOT) seconds over the timed runs of one batch size, and their
     speculative decoding counts."""
+    for i in range(args.warmup):
+        timed_generate(llm, batch_size, args, vocab_size, tokenizer, -1 - i)
+    e2e, ttft, tpot, timed = [], [], [], []
+    for i in range(args.iters):
+        run_e2e, run_ttft, run_tpot, outs = timed_generate(llm, batch_size, args, vocab_size, tokenizer, i)
+        e2e.append(run_e2e)
+        ttft.extend(run_ttft)
+        tpot.extend(run_tpot)
+        timed.extend(outs)
+    return statistics.median(e2e), statistics.median(ttft), statistics.median(tpot), SpecCounts.from_outputs(timed)
+
+
+def timed_generate(llm, batch_size: int, args: argparse.Namespace, vocab_size: int, tokenizer, run: int):
+    """``generate`` the prompts of ``run`` (negative: a warm-up) and time it; returns
+    ``(e2e seconds, TTFTs, TPOTs, outputs)``."""
     from pagelm import SamplingParams
 
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-
-    def generate(run: int):
-        prompts = workload_prompts(args, batch_size, run, vocab_size, tokenizer)
-        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-    for i in range(args.warmup):
-        generate(-1 - i)
-    e2e, ttft, tpot, timed = [], [], [], []
-    for i in range(args.iters):
-        start = time.perf_counter()
-        outs = generate(i)
-        e2e.append(time.perf_counter() - start)
-        timed.extend(outs)
-        for out in outs:
-            m = out.metrics
-            assert len(out.outputs[0].token_ids) == args.output_len, "ignore_eos run stopped early"
-            ttft.append(m.first_token_time - m.arrival_time)
-            tpot.append((m.finished_time - m.first_token_time) / (args.output_len - 1))
-    return statistics.median(e2e), statistics.median(ttft), statistics.median(tpot), SpecCounts.from_outputs(timed)
+    prompts = workload_prompts(args, batch_size, run, vocab_size, tokenizer)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    e2e = time.perf_counter() - start
+    ttft, tpot = [], []
+    for out in outs:
+        m = out.metrics
+        assert len(out.outputs[0].token_ids) == args.output_len, "ignore_eos run stopped early"
+        ttft.append(m.first_token_time - m.arrival_time)
+        tpot.append((m.finished_time - m.first_token_time) / (args.output_len - 1))
+    return e2e, ttft, tpot, outs
 
 
 def measure_spec_off(
@@ -305,6 +333,8 @@ def run(args: argparse.Namespace) -> int:
     if (args.compare == "spec-off" or args.spec_reject_all) and config.speculative is None:
         raise SystemExit("--compare spec-off and --spec-reject-all measure speculative decoding: "
                          "give --speculative-config JSON")
+    if args.paired and args.compare != "spec-off":
+        raise SystemExit("--paired times speculative and plain decoding in turns: give it with --compare spec-off")
     if max(batch_sizes) > config.max_num_seqs:
         raise SystemExit(f"batch size {max(batch_sizes)} > max_num_seqs={config.max_num_seqs}: raise --max-num-seqs")
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -328,26 +358,46 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     hf = measure_hf(model_dir, dtype, device, batch_sizes, args, vocab_size, tokenizer) if args.compare == "hf" else {}
-    spec_off = {}
-    if args.compare == "spec-off":
-        spec_off = measure_spec_off(model_dir, kwargs, device, batch_sizes, args, vocab_size, tokenizer)
-    if config.speculative is not None:
-        print(f"with speculative decoding: {config.speculative.describe()}", flush=True)
-
-    llm = LLM(model_dir, **kwargs)
-    if args.spec_reject_all:
-        reject_all_drafts(llm, vocab_size)
     avg_context = decode_avg_context(args.input_len, args.output_len)
-    results = []
-    for b in batch_sizes:
-        e2e, ttft, tpot, spec = measure_pagelm(llm, b, args, vocab_size, tokenizer)
+
+    def result(b, e2e, ttft, tpot, spec, spec_off, paired_speedups=None) -> LatencyResult:
         step_bytes = cost.bytes_per_step(b, avg_context)
-        results.append(LatencyResult(
+        return LatencyResult(
             b, args.input_len, args.output_len, e2e, ttft, tpot, b / tpot, step_bytes,
             step_bytes / tpot, step_bytes / tpot / bandwidth, b * bandwidth / step_bytes, hf.get(b),
-            spec if config.speculative is not None else None, spec_off.get(b),
-        ))
-        print_row(results[-1])
+            spec if config.speculative is not None else None, spec_off, paired_speedups,
+        )
+
+    results = []
+    if args.paired:
+        from pagelm.plugins.bench.paired import measure_paired
+
+        print(f"with speculative decoding: {config.speculative.describe()}", flush=True)
+        for b, runs in measure_paired(model_dir, kwargs, batch_sizes, args, vocab_size).items():
+            plain = [t for r in runs.plain for t in r.tpot_s]
+            off = SpecOffLatency(
+                statistics.median(r.e2e_s for r in runs.plain), statistics.median(t for r in runs.plain for t in r.ttft_s),
+                statistics.median(plain), b / statistics.median(plain),
+            )
+            results.append(result(
+                b, statistics.median(r.e2e_s for r in runs.spec), statistics.median(t for r in runs.spec for t in r.ttft_s),
+                statistics.median(t for r in runs.spec for t in r.tpot_s), SpecCounts.total([r.spec for r in runs.spec]),
+                off, runs.speedups,
+            ))
+            print_row(results[-1])
+    else:
+        spec_off = {}
+        if args.compare == "spec-off":
+            spec_off = measure_spec_off(model_dir, kwargs, device, batch_sizes, args, vocab_size, tokenizer)
+        if config.speculative is not None:
+            print(f"with speculative decoding: {config.speculative.describe()}", flush=True)
+        llm = LLM(model_dir, **kwargs)
+        if args.spec_reject_all:
+            reject_all_drafts(llm, vocab_size)
+        for b in batch_sizes:
+            e2e, ttft, tpot, spec = measure_pagelm(llm, b, args, vocab_size, tokenizer)
+            results.append(result(b, e2e, ttft, tpot, spec, spec_off.get(b)))
+            print_row(results[-1])
 
     if args.json:
         args.json.write_text(json.dumps({
@@ -356,6 +406,7 @@ def run(args: argparse.Namespace) -> int:
             "kv_bytes_per_token": cost.kv_bytes_per_token, "engine_args": kwargs,
             "workload": workload_description(args),
             "speculative_config": kwargs.get("speculative_config"), "spec_reject_all": args.spec_reject_all,
+            "paired": args.paired,
             "results": [{**asdict(r), "hf_ratio": r.hf_ratio, "speedup": r.speedup} for r in results],
         }, indent=2))
     return 0
@@ -437,6 +488,8 @@ def print_row(r: LatencyResult) -> None:
         )
     if r.spec_off is not None:
         line += f"  | spec off {r.spec_off.decode_tokens_per_s:8.1f} tok/s, speedup {r.speedup:5.2f}x"
+        if r.paired_speedups:
+            line += f" (median of {len(r.paired_speedups)} pairs)"
     if r.hf is not None:
         line += f"  | HF {r.hf.decode_tokens_per_s:8.1f} tok/s, pagelm/HF {r.hf_ratio:6.2f}x"
     print(line, flush=True)
