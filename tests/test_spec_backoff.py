@@ -323,3 +323,49 @@ def test_a_draft_model_stops_following_steps_where_everyone_is_deeply_backed_off
     # Without ``skips_deep_backoff`` every step after the prefill comes to ``propose``.
     assert verify_steps <= calls[True] < 0.1 * LONG.max_tokens
     assert calls[False] >= LONG.max_tokens - 2
+
+
+# ---- steps run ahead whose proposal is left out ----------------------------------------------
+
+
+def run_ahead_counts(model_dir, spec, skip: bool, monkeypatch):
+    """Every draft rejected under async scheduling: outputs, each request's drafts, the
+    backoff's step count and skipped request-steps, and the proposals made."""
+    with monkeypatch.context() as m:
+        if not skip:
+            m.setattr(DraftProposer, "skip_ahead", lambda self, requests: False)
+        llm = LLM(str(model_dir), dtype="float32", block_size=8, speculative_config=spec, async_scheduling=True)
+        reject_all_drafts(llm, llm.engine.core.vocab_size)
+        proposer = llm.engine.core.runner.spec.proposer
+        calls = []
+        propose_step = proposer.propose_step
+        proposer.propose_step = lambda step: calls.append(step.ahead) or propose_step(step)
+        outs = llm.generate(REPETITIVE, LONG, use_tqdm=False)
+    return (
+        [o.outputs[0].token_ids for o in outs], [o.metrics.spec_num_drafts for o in outs],
+        proposer.backoff.step, proposer.backoff.num_skipped, calls,
+    )
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_a_step_run_ahead_with_nothing_to_follow_is_only_counted(llama_dir, plain, method, tmp_path, monkeypatch):
+    """With every request backed off, the proposal of a step run ahead does nothing but
+    count the step (EAGLE's head does not follow deeply backed-off steps): the engine leaves
+    it out. Same tokens, same drafts at the same steps, same counts as making it."""
+    if method == "eagle":
+        from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
+
+        train_eagle_head(llama_dir, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
+        spec = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
+    else:
+        spec = NGRAM
+    want, _ = plain
+    tokens, drafts, steps, skipped, calls = run_ahead_counts(llama_dir, spec, True, monkeypatch)
+    base_tokens, base_drafts, base_steps, base_skipped, base_calls = run_ahead_counts(llama_dir, spec, False, monkeypatch)
+    assert tokens == base_tokens == want
+    assert drafts == base_drafts and all(0 < d < 0.2 * LONG.max_tokens for d in drafts)
+    assert (steps, skipped) == (base_steps, base_skipped)
+    # Without the skip most proposals are of steps run ahead; with it none are made for them
+    # (nor for the last step, finished once nothing is left to schedule).
+    assert sum(base_calls) > 0.7 * LONG.max_tokens
+    assert sum(calls) == 0 and len(calls) < 0.1 * len(base_calls)

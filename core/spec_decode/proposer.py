@@ -296,6 +296,17 @@ class Proposer(ABC):
         one in flight is finished (async scheduling). Conservative by default."""
         return True
 
+    def skip_ahead(self, requests: Sequence[RequestView]) -> bool:
+        """Asked right after ``may_draft`` returned False, with the requests of the step in
+        flight, each of which samples in it (2.22): whether that step's proposal can be left
+        out altogether. It gets no drafts; True says it also has nothing to follow (no KV
+        of a draft model to write, as for ``needs_ahead_target`` with every request backed
+        off) and that the proposer has counted the step itself, as ``propose_step`` would.
+        The engine then keeps no forward pass for it and makes no ``FinishedStep``:
+        on a small model's GPU step (~0.4 ms of host time) that proposal's host work was a
+        third of the step. Default False: every step comes to ``propose_step``."""
+        return False
+
 
 def proposer_name(proposer: Proposer) -> str:
     """How errors name a proposer: its registered name and its class."""

@@ -336,8 +336,9 @@ class ModelRunner:
         ``sample_first`` (pipeline parallelism: the oldest step in flight, finished right after
         this launch): the last stage samples and shares it between receiving this step's input
         and running this step's part of the forward pass."""
-        if self._in_flight is not None and self.spec is not None and self.spec.keeps_steps_in_flight:
-            self.spec.keep_in_flight(self, self._in_flight)  # before this step takes its rows and buffers
+        in_flight = self._in_flight
+        if in_flight is not None and self.spec is not None and self.spec.keeps_steps_in_flight and not in_flight.skip_proposal:
+            self.spec.keep_in_flight(self, in_flight)  # before this step takes its rows and buffers
         self._update_states(sched)
         if self.kv_copier is not None:  # copies between the tiers first (also in an empty step)
             self.kv_copier.before_step(sched)
@@ -487,7 +488,9 @@ class ModelRunner:
             state.output_token_ids[position - state.num_prompt_tokens] = token
             out_ids.append([token])
         out = ModelRunnerOutput(pending.req_ids, out_ids, logprobs, prompt_logprobs)
-        if self.spec is not None:  # ahead: a later step is launched already (async scheduling)
+        if pending.skip_proposal:  # no drafts, and nothing for the proposer to follow
+            out.draft_token_ids = [[] for _ in out_ids]
+        elif self.spec is not None:  # ahead: a later step is launched already (async scheduling)
             ahead = self._in_flight is not None
             out.draft_token_ids = self.spec.propose(
                 self, pending.inputs, pending.hidden, pending.states, pending.starts, pending.counts, None, out_ids,
@@ -501,7 +504,12 @@ class ModelRunner:
         if self.spec is None:
             return False
         proposer = self.spec.proposer
-        return proposer is None or proposer.may_draft(list(self.requests.values()))
+        if proposer is None or proposer.may_draft(list(self.requests.values())):
+            return True
+        pending = self._in_flight
+        if pending is not None and pending.sample_positions and min(pending.sample_positions) >= 0:
+            pending.skip_proposal = proposer.skip_ahead(pending.states)
+        return False
 
     @staticmethod
     def _add_placeholders(states, starts, counts) -> list[int]:

@@ -61,6 +61,8 @@ class PendingStep:
     sampling_metadata: Any = None
     # The sampler's random draws for the step (``Sampler.draw_noise``), queued at launch (CUDA).
     noise: torch.Tensor | None = None
+    # Speculative decoding: the proposer skips this step's proposal (``Proposer.skip_ahead``).
+    skip_proposal: bool = False
 
     @property
     def awaits_sampling(self) -> bool:

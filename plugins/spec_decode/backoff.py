@@ -104,6 +104,12 @@ class DraftBackoff:
         first pause (this) neither: 1.80 tokens a step either way."""
         return len(rows) > 0 and bool((self.misses[rows] >= self.backoff_after).all())
 
+    def skip(self, rows: np.ndarray) -> None:
+        """A step whose proposal is left out (``DraftProposer.skip_ahead``: every request of
+        it sampled, none may draft), counted as ``cap`` counts one."""
+        self.num_skipped += int(np.count_nonzero(self.resume_step[rows] > self.step))
+        self.step += 1
+
     def cap(self, rows: np.ndarray, max_drafts: np.ndarray) -> np.ndarray:
         """``max_drafts`` (per request of the step, for the next one) with backed-off requests'
         set to 0, and a probe's to ``PROBE_DRAFTS``. The step's last call: it ends the step."""

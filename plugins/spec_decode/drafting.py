@@ -17,6 +17,9 @@ at most that many::
                          propose(batch)   ProposalBatch: the step, the caps, the token history
                          cut              each request's drafts cut to its max_num_drafts
 
+    skip_ahead(requests)  a step run ahead with nothing to follow is only counted: the
+                          engine leaves its proposal out (no ``FinishedStep``, no target kept)
+
 Adaptive drafting (``pagelm.plugins.spec_decode.backoff``) withholds drafts from requests
 whose drafts keep being rejected; a step in which nobody drafts is plain decode again.
 """
@@ -145,6 +148,20 @@ class DraftProposer(Proposer):
         if (backoff.resume_step[rows] <= backoff.step).any():
             return True
         return any(self.rows.is_new(s) for s in requests)
+
+    def skip_ahead(self, requests: Sequence[RequestView]) -> bool:
+        """The proposal of a step run ahead is left out when ``propose_step`` would do
+        nothing with it but count it: adaptive drafting is on, no request of the step is new
+        to its row, none had drafts dropped before it (``_backed_off`` counts those), and
+        nothing follows the step (``_follows``: a proposer without a KV cache of its own, or
+        EAGLE with every request deeply backed off)."""
+        if self.backoff is None or self.needs_every_step or not requests:
+            return False
+        rows = np.fromiter((s.row for s in requests), dtype=np.int64, count=len(requests))
+        if self._follows(rows) or self.rows.proposed[rows].any() or any(self.rows.is_new(s) for s in requests):
+            return False
+        self.backoff.skip(rows)
+        return True
 
     def _follows(self, rows: np.ndarray) -> bool:
         """Whether a step in which nobody drafts still goes to ``propose`` (a draft model
