@@ -332,8 +332,11 @@ def run_ahead_counts(model_dir, spec, skip: bool, monkeypatch):
     """Every draft rejected under async scheduling: outputs, each request's drafts, the
     backoff's step count and skipped request-steps, and the proposals made."""
     with monkeypatch.context() as m:
-        if not skip:
+        if not skip:  # every proposal made, every check in numpy: the engine before 2.22
+            from pagelm.plugins.spec_decode import drafting
+
             m.setattr(DraftProposer, "skip_ahead", lambda self, requests: False)
+            m.setattr(drafting, "SCALAR_BATCH", 0)
         llm = LLM(str(model_dir), dtype="float32", block_size=8, speculative_config=spec, async_scheduling=True)
         reject_all_drafts(llm, llm.engine.core.vocab_size)
         proposer = llm.engine.core.runner.spec.proposer
@@ -347,11 +350,18 @@ def run_ahead_counts(model_dir, spec, skip: bool, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("scalar_batch", [16, 0], ids=["one-by-one", "numpy"])
 @pytest.mark.parametrize("method", ["ngram", "eagle"])
-def test_a_step_run_ahead_with_nothing_to_follow_is_only_counted(llama_dir, plain, method, tmp_path, monkeypatch):
+def test_a_step_run_ahead_with_nothing_to_follow_is_only_counted(
+    llama_dir, plain, method, scalar_batch, tmp_path, monkeypatch
+):
     """With every request backed off, the proposal of a step run ahead does nothing but
     count the step (EAGLE's head does not follow deeply backed-off steps): the engine leaves
-    it out. Same tokens, same drafts at the same steps, same counts as making it."""
+    it out. Same tokens, same drafts at the same steps, same counts as making it; the
+    per-step checks give the same answers one request at a time and in numpy."""
+    from pagelm.plugins.spec_decode import drafting
+
+    monkeypatch.setattr(drafting, "SCALAR_BATCH", scalar_batch)
     if method == "eagle":
         from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
 

@@ -104,10 +104,13 @@ class DraftBackoff:
         first pause (this) neither: 1.80 tokens a step either way."""
         return len(rows) > 0 and bool((self.misses[rows] >= self.backoff_after).all())
 
-    def skip(self, rows: np.ndarray) -> None:
+    def skip(self, rows: np.ndarray | list[int]) -> None:
         """A step whose proposal is left out (``DraftProposer.skip_ahead``: every request of
         it sampled, none may draft), counted as ``cap`` counts one."""
-        self.num_skipped += int(np.count_nonzero(self.resume_step[rows] > self.step))
+        if isinstance(rows, list):  # a few rows: one at a time costs less than a numpy call
+            self.num_skipped += sum(1 for r in rows if self.resume_step[r] > self.step)
+        else:
+            self.num_skipped += int(np.count_nonzero(self.resume_step[rows] > self.step))
         self.step += 1
 
     def cap(self, rows: np.ndarray, max_drafts: np.ndarray) -> np.ndarray:
