@@ -350,7 +350,7 @@ def run_ahead_counts(model_dir, spec, skip: bool, monkeypatch):
     )
 
 
-@pytest.mark.parametrize("scalar_batch", [16, 0], ids=["one-by-one", "numpy"])
+@pytest.mark.parametrize("scalar_batch", [64, 0], ids=["one-by-one", "numpy"])
 @pytest.mark.parametrize("method", ["ngram", "eagle"])
 def test_a_step_run_ahead_with_nothing_to_follow_is_only_counted(
     llama_dir, plain, method, scalar_batch, tmp_path, monkeypatch
