@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pagelm.plugins.bench.hf_compare import HFLatency, build_hf_model, hf_generate_latency, release_memory
+from pagelm.plugins.bench.paired import EngineProcess, PairedRuns, RunTimes, run_in_turns
 from pagelm.plugins.bench.presets import DEMO, PRESETS, resolve_bench_model
 from pagelm.plugins.bench.roofline import DecodeCost, decode_avg_context, device_name, measure_copy_bandwidth
 from pagelm.plugins.bench.workload import TokenWorkload
@@ -292,6 +293,56 @@ def measure_spec_off(
         release_memory(device, "engine without speculative decoding")
 
 
+def serve_engine(conn, model_dir: str, kwargs: dict, args: argparse.Namespace, vocab_size: int,
+                 reject_all: bool) -> None:
+    """``--paired``: one engine in a process of its own (``EngineProcess``), timing a
+    ``generate`` for each ``("run", batch_size, run)`` from the parent until ``None``."""
+    from pagelm import LLM
+
+    try:
+        tokenizer = load_tokenizer(model_dir, kwargs) if args.workload == "code" else None
+        llm = LLM(model_dir, **kwargs)
+        if reject_all:
+            reject_all_drafts(llm, vocab_size)
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None))
+    speculates = "speculative_config" in kwargs
+    try:
+        while (msg := conn.recv()) is not None:
+            _, batch_size, run = msg
+            try:
+                e2e, ttft, tpot, outs = timed_generate(llm, batch_size, args, vocab_size, tokenizer, run)
+            except BaseException as e:  # noqa: BLE001
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+                continue
+            conn.send(RunTimes(e2e, ttft, tpot, SpecCounts.from_outputs(outs) if speculates else None))
+    finally:
+        llm.engine.shutdown()
+
+
+def measure_paired(
+    model_dir: str, kwargs: dict, batch_sizes: list[int], args: argparse.Namespace, vocab_size: int
+) -> dict[int, PairedRuns]:
+    """``--paired``: an engine without speculative decoding (half the memory fraction) and
+    one with it (what remains of the whole fraction), each in a process of its own, timed
+    in turns (``pagelm.plugins.bench.paired``)."""
+    fraction = kwargs.get("gpu_memory_utilization", 0.9)
+    plain_kwargs = {k: v for k, v in kwargs.items() if k != "speculative_config"}
+    plain_kwargs["gpu_memory_utilization"] = fraction / 2
+    print("paired runs: an engine without speculative decoding and one with it, in turns", flush=True)
+    plain = EngineProcess("plain", serve_engine, model_dir, plain_kwargs, args, vocab_size, False)
+    try:
+        spec = EngineProcess("speculative", serve_engine, model_dir, kwargs, args, vocab_size, args.spec_reject_all)
+        try:
+            return run_in_turns(plain, spec, batch_sizes, args.warmup, args.iters)
+        finally:
+            spec.close()
+    finally:
+        plain.close()
+
+
 def measure_hf(
     model_dir: str, dtype, device, batch_sizes: list[int], args: argparse.Namespace, vocab_size: int,
     tokenizer=None,
@@ -370,8 +421,6 @@ def run(args: argparse.Namespace) -> int:
 
     results = []
     if args.paired:
-        from pagelm.plugins.bench.paired import measure_paired
-
         print(f"with speculative decoding: {config.speculative.describe()}", flush=True)
         for b, runs in measure_paired(model_dir, kwargs, batch_sizes, args, vocab_size).items():
             plain = [t for r in runs.plain for t in r.tpot_s]
