@@ -3,7 +3,8 @@ run by run, in turns, each engine in a process of its own.
 
 Why: on a small, host-bound model a decode step is a few hundred microseconds, and what the
 machine does that minute decides it. On the GPU machines the plain runs of one command spread
-945-2,543 tok/s at batch 1 (the GPU's clock follows its load, the host is shared), so two
+945-2,724 tok/s at batch 1 (the host's minute: the GPU's clock stays at its top whenever it
+has work, and pinning the process to a core does not help), so two
 engines measured one after the other, seconds apart, compare their minutes as much as their
 code. Here both engines stay up at once and take turns, run for run (plain first in even
 runs, speculative first in odd ones), so each pair of runs meets the same conditions; the
