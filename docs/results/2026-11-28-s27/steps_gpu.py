@@ -62,5 +62,8 @@ for name in engines:
     print(line, flush=True)
 for name, llm in engines.items():
     pr = cProfile.Profile(); pr.enable(); llm.generate(prompts[1], sp, use_tqdm=False); pr.disable()
-    s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(45)
+    s = io.StringIO(); st = pstats.Stats(pr, stream=s)
+    st.sort_stats("tottime").print_stats(45)
+    st.sort_stats("cumulative").print_stats(70)
+    st.print_callees(r"spec_decode.py:\d+\((propose|execute|_graph_step)\)")
     open(os.path.join(OUT, f"prof-{name}-bs{bs}.txt"), "w").write(s.getvalue())
