@@ -2,6 +2,7 @@
 plugin API version check, and `pagelm plugins`."""
 
 import json
+import re
 import sys
 import textwrap
 import warnings
@@ -160,13 +161,17 @@ def test_declared_api_version_is_recorded(tmp_path, monkeypatch):
 def test_plugin_for_another_major_api_is_rejected_naming_both_versions(tmp_path, monkeypatch):
     # 1.x policies kept the waiting queue on the policy: they cannot run on 2.0.
     install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("1.1"))
-    with pytest.raises(PluginLoadError, match=r"'pagelm_lifo'.*incompatible.*plugin API 1\.1.*provides plugin API 2\.21"):
+    here = re.escape(PLUGIN_API_VERSION)
+    with pytest.raises(PluginLoadError, match=rf"'pagelm_lifo'.*incompatible.*plugin API 1\.1.*provides plugin API {here}"):
         PluginManager().load_entry_points()
 
 
 def test_plugin_needing_a_newer_minor_api_is_rejected(tmp_path, monkeypatch):
-    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring("2.22"))
-    with pytest.raises(PluginLoadError, match=r"declares plugin API 2\.22, newer than this pagelm's plugin API 2\.21"):
+    major, minor = PLUGIN_API_VERSION.split(".")
+    newer = f"{major}.{int(minor) + 1}"
+    install_fake_distribution(tmp_path, monkeypatch, "pagelm_lifo", plugin_declaring(newer))
+    here, newer = re.escape(PLUGIN_API_VERSION), re.escape(newer)
+    with pytest.raises(PluginLoadError, match=rf"declares plugin API {newer}, newer than this pagelm's plugin API {here}"):
         PluginManager().load_entry_points()
 
 

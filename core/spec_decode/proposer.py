@@ -299,13 +299,18 @@ class Proposer(ABC):
     def skip_ahead(self, requests: Sequence[RequestView]) -> bool:
         """Asked right after ``may_draft`` returned False, with the requests of the step in
         flight, each of which samples in it (2.22): whether that step's proposal can be left
-        out altogether. It gets no drafts; True says it also has nothing to follow (no KV
-        of a draft model to write, as for ``needs_ahead_target`` with every request backed
-        off) and that the proposer has counted the step itself, as ``propose_step`` would.
-        The engine then keeps no forward pass for it and makes no ``FinishedStep``:
-        on a small model's GPU step (~0.4 ms of host time) that proposal's host work was a
-        third of the step. Default False: every step comes to ``propose_step``."""
+        out. It gets no drafts; True says it also has nothing to follow (no KV of a draft
+        model to write, as for ``needs_ahead_target`` with every request backed off). A
+        question only: the proposer's state must not change here. The engine then keeps no
+        forward pass for the step, and when it finishes the step it calls ``step_skipped``
+        in place of ``propose_step`` (a step dropped meanwhile, after a failure, gets
+        neither, on every rank alike). On a small model's GPU step (~0.4 ms of host time)
+        such a proposal's host work was a third of the step. Default False."""
         return False
+
+    def step_skipped(self, requests: Sequence[RequestView]) -> None:
+        """A step whose proposal ``skip_ahead`` left out is finished (2.22): count it as
+        ``propose_step`` would have (adaptive drafting's clock). Default: nothing to count."""
 
 
 def proposer_name(proposer: Proposer) -> str:

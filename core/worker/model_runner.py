@@ -489,6 +489,7 @@ class ModelRunner:
             out_ids.append([token])
         out = ModelRunnerOutput(pending.req_ids, out_ids, logprobs, prompt_logprobs)
         if pending.skip_proposal:  # no drafts, and nothing for the proposer to follow
+            self.spec.proposer.step_skipped(pending.states)
             out.draft_token_ids = [[] for _ in out_ids]
         elif self.spec is not None:  # ahead: a later step is launched already (async scheduling)
             ahead = self._in_flight is not None

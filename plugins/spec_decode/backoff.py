@@ -105,7 +105,7 @@ class DraftBackoff:
         return len(rows) > 0 and bool((self.misses[rows] >= self.backoff_after).all())
 
     def skip(self, rows: np.ndarray | list[int]) -> None:
-        """A step whose proposal is left out (``DraftProposer.skip_ahead``: every request of
+        """A step whose proposal was left out (``DraftProposer.step_skipped``: every request of
         it sampled, none may draft), counted as ``cap`` counts one."""
         if isinstance(rows, list):  # a few rows: one at a time costs less than a numpy call
             self.num_skipped += sum(1 for r in rows if self.resume_step[r] > self.step)

@@ -17,8 +17,9 @@ at most that many::
                          propose(batch)   ProposalBatch: the step, the caps, the token history
                          cut              each request's drafts cut to its max_num_drafts
 
-    skip_ahead(requests)  a step run ahead with nothing to follow is only counted: the
-                          engine leaves its proposal out (no ``FinishedStep``, no target kept)
+    skip_ahead(requests)  a step run ahead with nothing to follow: the engine leaves its
+    step_skipped(...)     proposal out (no ``FinishedStep``, no target kept) and, once the
+                          step is finished, has it only counted
 
 Adaptive drafting (``pagelm.plugins.spec_decode.backoff``) withholds drafts from requests
 whose drafts keep being rejected; a step in which nobody drafts is plain decode again.
@@ -158,8 +159,8 @@ class DraftProposer(Proposer):
         return any(self.rows.is_new(s) for s in requests)
 
     def skip_ahead(self, requests: Sequence[RequestView]) -> bool:
-        """The proposal of a step run ahead is left out when ``propose_step`` would do
-        nothing with it but count it: adaptive drafting is on, no request of the step is new
+        """The proposal of a step run ahead is left out (``step_skipped`` counts the step)
+        when ``propose_step`` would do nothing with it but count it: adaptive drafting is on, no request of the step is new
         to its row, none had drafts dropped before it (``_backed_off`` counts those), and
         nothing follows the step (``_follows``: a proposer without a KV cache of its own, or
         EAGLE with every request deeply backed off)."""
@@ -175,13 +176,17 @@ class DraftProposer(Proposer):
                 row = s.row
                 if proposed[row] or (follows and misses[row] < after) or self.rows.is_new(s):
                     return False
-            backoff.skip([s.row for s in requests])
             return True
         rows = np.fromiter((s.row for s in requests), dtype=np.int64, count=len(requests))
-        if self._follows(rows) or self.rows.proposed[rows].any() or any(self.rows.is_new(s) for s in requests):
-            return False
-        backoff.skip(rows)
-        return True
+        return not (self._follows(rows) or self.rows.proposed[rows].any() or any(self.rows.is_new(s) for s in requests))
+
+    def step_skipped(self, requests: Sequence[RequestView]) -> None:
+        """Counted as ``propose_step`` counts a step whose requests all sampled and none may
+        draft (``DraftBackoff.skip``)."""
+        if len(requests) <= SCALAR_BATCH:
+            self.backoff.skip([s.row for s in requests])
+        else:
+            self.backoff.skip(np.fromiter((s.row for s in requests), dtype=np.int64, count=len(requests)))
 
     def _follows(self, rows: np.ndarray) -> bool:
         """Whether a step in which nobody drafts still goes to ``propose`` (a draft model
