@@ -104,13 +104,14 @@ class DraftBackoff:
         first pause (this) neither: 1.80 tokens a step either way."""
         return len(rows) > 0 and bool((self.misses[rows] >= self.backoff_after).all())
 
-    def skip(self, rows: np.ndarray | list[int]) -> None:
+    def skip(self, rows: list[int], one_by_one: bool) -> None:
         """A step whose proposal was left out (``DraftProposer.step_skipped``: every request of
-        it sampled, none may draft), counted as ``cap`` counts one."""
-        if isinstance(rows, list):  # a few rows: one at a time costs less than a numpy call
+        it sampled, none may draft), counted as ``cap`` counts one; ``one_by_one`` for a few
+        rows, where indexing each costs less than a numpy call."""
+        if one_by_one:
             self.num_skipped += sum(1 for r in rows if self.resume_step[r] > self.step)
         else:
-            self.num_skipped += int(np.count_nonzero(self.resume_step[rows] > self.step))
+            self.num_skipped += int(np.count_nonzero(self.resume_step[np.asarray(rows)] > self.step))
         self.step += 1
 
     def cap(self, rows: np.ndarray, max_drafts: np.ndarray) -> np.ndarray:

@@ -160,10 +160,11 @@ class DraftProposer(Proposer):
 
     def skip_ahead(self, requests: Sequence[RequestView]) -> bool:
         """The proposal of a step run ahead is left out (``step_skipped`` counts the step)
-        when ``propose_step`` would do nothing with it but count it: adaptive drafting is on, no request of the step is new
-        to its row, none had drafts dropped before it (``_backed_off`` counts those), and
-        nothing follows the step (``_follows``: a proposer without a KV cache of its own, or
-        EAGLE with every request deeply backed off)."""
+        when ``propose_step`` would do nothing with it but count it: adaptive drafting is on,
+        no request of the step is new to its row, none had drafts dropped before it
+        (``_backed_off`` counts those), and nothing follows the step (``_follows``: a
+        proposer without a KV cache of its own, or EAGLE with every request deeply backed
+        off)."""
         backoff = self.backoff
         if backoff is None or self.needs_every_step or not requests:
             return False
@@ -183,10 +184,7 @@ class DraftProposer(Proposer):
     def step_skipped(self, requests: Sequence[RequestView]) -> None:
         """Counted as ``propose_step`` counts a step whose requests all sampled and none may
         draft (``DraftBackoff.skip``)."""
-        if len(requests) <= SCALAR_BATCH:
-            self.backoff.skip([s.row for s in requests])
-        else:
-            self.backoff.skip(np.fromiter((s.row for s in requests), dtype=np.int64, count=len(requests)))
+        self.backoff.skip([s.row for s in requests], one_by_one=len(requests) <= SCALAR_BATCH)
 
     def _follows(self, rows: np.ndarray) -> bool:
         """Whether a step in which nobody drafts still goes to ``propose`` (a draft model
