@@ -127,24 +127,42 @@ def test_a_guided_request_reads_its_drafts_on_the_host(llama_dir):
 
 
 def test_the_store_fills_a_verification_graphs_inputs_on_the_device():
-    """What a verification graph's staging gets (``SpecDecodeRunner._deferred_inputs``): each
-    deferred request's drafts from its row, clamped into the vocabulary; host values as kept."""
+    """What a verification graph runs on (``CudaGraphRunner`` with ``draft_source``, its
+    in-graph prologue run eagerly on CPU): each deferred request's drafts from its row,
+    clamped into the vocabulary, with slots for them as for staged ids; host values as kept."""
+    from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner
+    from pagelm.worker.input_buffers import InputBuffers
+
     store = DraftStore(max_rows=4, num_speculative_tokens=K, vocab_size=50, device=torch.device("cpu"))
     first = store.keep(np.array([2, 0]), DeviceDrafts(torch.tensor([[7, 8, 9], [4, 0, 0]]), np.array([3, 1])))
     assert first == [[DEFERRED] * 3, [DEFERRED]]
     # A later proposal for row 1 alone leaves rows 0 and 2 as they were.
     assert store.keep(np.array([1]), DeviceDrafts(torch.tensor([[60, 5]]), np.array([2]))) == [[DEFERRED] * 2]
-    spec = SpecDecodeRunner(None, K, max_model_len=64)
-    spec.store = store
     q = 1 + K
-    input_ids = torch.full((3 * q,), -1, dtype=torch.long)
-    drafts = [[DEFERRED] * 3, [DEFERRED] * 2, [DEFERRED] * 1]  # rows 2, 1 and 0; padding in front
-    targets = np.array([1, 2, 3, q + 2, q + 3, 2 * q + 3])
-    index, ids = spec._deferred_inputs(targets, np.array([2, 1, 0]), drafts, torch.device("cpu"))
-    input_ids.index_copy_(0, index, ids)  # as CudaGraphRunner.feed_input_ids writes its staging
-    assert input_ids.view(3, q).tolist() == [[-1, 7, 8, 9], [-1, -1, 49, 5], [-1, -1, -1, 4]]
+    buffers = InputBuffers(max_num_tokens=16, max_num_reqs=4, max_blocks_per_req=8, device=torch.device("cpu"))
+    graphs = CudaGraphRunner(model=None, buffers=buffers, builder=None, sizes=[1, 2, 4], max_seq_len=128,
+                             block_size=4, query_len=q, draft_source=(store.ids.view(-1), 50))
+    # Rows 2, 1 and 0 with 3, 2 and 1 drafts (padding in front), then a request with a host draft.
+    drafts = [[DEFERRED] * 3, [DEFERRED] * 2, [DEFERRED] * 1, [33]]
+    rows = np.array([2, 1, 0, 3])
+    P = PAD_TOKEN
+    tokens = np.array([[11, P, P, P], [P, 12, P, P], [P, P, 13, P], [P, P, 14, 33]]).reshape(-1)
+    at = np.array([1, 2, 3, q + 2, q + 3, 2 * q + 3])
+    sources = store.sources(rows, np.array([3, 2, 1, 0]))
+    block_rows = np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]], dtype=np.int32)
+    assert graphs.load(tokens, np.array([10, 10, 10, 10]), block_rows, size=4, drafts=(at, sources))
+    graphs._derive_inputs(4)
+    assert graphs.input_ids.view(4, q).tolist() == [[11, 7, 8, 9], [0, 12, 49, 5], [0, 0, 13, 4], [0, 0, 14, 33]]
+    # Every draft position stores its key, padding does not: positions 6..9, 9 in the row's
+    # third block at offset 1; the second request's 7 and 8 at the ends of its second and third.
+    assert graphs.slot_mapping.view(4, q)[:, 3].tolist() == [3 * 4 + 1, 6 * 4 + 1, 9 * 4 + 1, 12 * 4 + 1]
+    assert graphs.slot_mapping.view(4, q)[1].tolist() == [-1, 5 * 4 + 3, 6 * 4 + 0, 6 * 4 + 1]
+    # A step with nothing deferred stages no source: last step's are cleared.
+    assert graphs.load(tokens.clip(min=P), np.array([10, 10, 10, 10]), block_rows, size=4)
+    graphs._derive_inputs(4)
+    assert graphs.input_ids.view(4, q)[0].tolist() == [11, 0, 0, 0]
     with pytest.raises(Exception, match=r"outside the vocabulary \[0, 50\): \[7, 8, 9, 60, 5, 4\]"):
-        spec.store.resolve(_named(), drafts, np.array([2, 1, 0]))
+        store.resolve(_named(), drafts[:3], rows[:3])
     assert store.resolve(_named(), [[DEFERRED] * 2, [1, 2]], np.array([2, 3])) == [[7, 8], [1, 2]]
 
 

@@ -34,6 +34,13 @@ still follow ``positions`` (a decode token past a prompt with images sits at its
 
     pinned staging (int64):  | input_ids [R x q] | seq_lens [R] | deltas [R] | block rows [n x cols] |
 
+A verification graph whose drafts the previous proposal left on the device (``draft_source``,
+the ``DraftStore``'s ids) stages, for each input position, where its draft is kept (-1: the
+staged id stands); the graph gathers them into the ids before it derives the rest, so the
+drafts never reach the host before the step::
+
+    pinned staging (int64):  | input_ids [R x q] | seq_lens [R] | draft sources [R x q] | block rows [n x cols] |
+
 The attention backend's ``build_for_cudagraph`` makes its host-side choices from the batch
 size (and ``q``) alone; ``prepare_cudagraph_replay`` (optional) lets it refresh its own
 buffers per step.
@@ -94,6 +101,7 @@ class CudaGraphRunner:
         variants: tuple[str, ...] = ("",),
         position_offsets: bool = False,
         stage=None,
+        draft_source: tuple[torch.Tensor, int] | None = None,
     ) -> None:
         self.model = model
         # Pipeline parallelism: this rank's PipelineStage (None: the whole model is here).
@@ -110,8 +118,13 @@ class CudaGraphRunner:
         r, max_blocks = self.max_size, buffers.max_blocks_per_req
         device = buffers.device
         self.position_offsets = position_offsets
-        # Where the block rows start in the staging (after the deltas, when there are any).
-        self._rows_at = r * q + r + (r if position_offsets else 0)
+        # Verification graphs: drafts kept on the device (``DraftStore.ids``, flat) and the
+        # vocabulary they are clamped into; the graph gathers them from staged indices.
+        self.draft_source = draft_source
+        # Where the draft sources and the block rows start in the staging (after the deltas,
+        # when there are any).
+        self._sources_at = r * q + r + (r if position_offsets else 0)
+        self._rows_at = self._sources_at + (r * q if draft_source is not None else 0)
         self.staging = torch.zeros(self._rows_at + r * max_blocks, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.staging_np = self.staging.numpy()
         self.staging_dev = torch.zeros_like(self.staging, device=device)
@@ -169,13 +182,16 @@ class CudaGraphRunner:
 
     # ---- per step ------------------------------------------------------------------------
     def load(
-        self, input_ids, seq_lens: np.ndarray, block_rows: np.ndarray, size: int, deltas: np.ndarray | None = None
+        self, input_ids, seq_lens: np.ndarray, block_rows: np.ndarray, size: int, deltas: np.ndarray | None = None,
+        drafts: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> bool:
         """Stage ``n = len(block_rows)`` requests padded to ``size``: ``input_ids`` holds
         ``q`` ids per request (``PAD_TOKEN`` in front of a request with fewer), ``seq_lens``
         each request's length after this step, ``deltas`` (``position_offsets`` only) the
-        shift of each request's rotary positions. False: the attention backend declined the
-        graph for this batch (run it eagerly)."""
+        shift of each request's rotary positions, ``drafts`` (``draft_source`` only) a pair
+        ``(at, sources)``: the graph puts ``draft_source[sources]`` at the flat input positions
+        ``at`` (staged there as padding). False: the attention backend declined the graph for
+        this batch (run it eagerly)."""
         n, cols = block_rows.shape
         q, r, host = self.query_len, self.max_size, self.staging_np
         rq = r * q  # where seq_lens start
@@ -186,6 +202,11 @@ class CudaGraphRunner:
         if self.position_offsets:
             host[rq + r : rq + r + n] = 0 if deltas is None else deltas
             host[rq + r + n : rq + r + size] = 0
+        if self.draft_source is not None:
+            sources = host[self._sources_at : self._sources_at + size * q]
+            sources[:] = -1  # a staged id, not a draft kept on the device
+            if drafts is not None:
+                sources[drafts[0]] = drafts[1]
         rows_at = self._rows_at
         end = rows_at + n * cols
         host[rows_at:end] = block_rows.reshape(-1)
@@ -228,6 +249,7 @@ class CudaGraphRunner:
         q, bs = self.query_len, self.block_size
         rq, num_tokens = self.max_size * q, size * q
         fused = self.staging_dev.is_cuda if use_triton is None else use_triton
+        self._gather_drafts(num_tokens)
         derive_step_inputs = fused_kernel("derive_step_inputs") if fused else None
         if derive_step_inputs is not None:
             derive_step_inputs(
@@ -247,6 +269,19 @@ class CudaGraphRunner:
         slots = torch.where(real, block * bs + positions % bs, -1)
         self.slot_mapping[:num_tokens].copy_(slots.view(-1))
         self._shift_positions(size)
+
+    def _gather_drafts(self, num_tokens: int) -> None:
+        """In-graph, with ``draft_source``: the staged ids where a source is given replaced by
+        the draft there, clamped into the vocabulary (an out-of-range id is reported from the
+        host's copy, and must not reach an embedding)."""
+        if self.draft_source is None:
+            return
+        source, vocab_size = self.draft_source
+        at = self._sources_at
+        sources = self.staging_dev[at : at + num_tokens]
+        drafts = source[sources.clamp(min=0)].clamp_(0, vocab_size - 1)
+        staged = self.staging_dev[:num_tokens]
+        staged.copy_(torch.where(sources >= 0, drafts, staged))
 
     def _shift_positions(self, size: int) -> None:
         """In-graph, with ``position_offsets``: the rotary positions, each request's

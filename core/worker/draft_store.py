@@ -7,7 +7,9 @@ them to what fits, never reads them. The store keeps each request's drafts on it
 row, and the next verification takes them from there::
 
     proposal t    ids[row, :w] = drafts            (device copy, then a copy to pinned host)
-    verify t+1    graph input_ids <- ids[row, :c]   (device, clamped into the vocabulary)
+    verify t+1    graph input_ids <- ids[row, :c]   (in the graph, from staged indices into ids,
+                                                     clamped into the vocabulary:
+                                                     ``CudaGraphRunner.draft_source``)
                   host values   <- the pinned copy  (waited for with the verification: the
                                                      rejection sampler compares them)
 
@@ -58,11 +60,6 @@ class DraftStore:
         in request order."""
         k = self.ids.shape[1]
         return np.repeat(rows * k, counts) + _ranges(counts)
-
-    def gather(self, sources: torch.Tensor) -> torch.Tensor:
-        """Drafts at flat ``sources`` on the device, clamped into the vocabulary (a proposer's
-        out-of-range id is reported from the host copy, and must not reach an embedding)."""
-        return self.ids.view(-1)[sources].clamp_(0, self.vocab_size - 1)
 
     def resolve(self, proposer: Proposer, drafts, rows: np.ndarray) -> list[list[int]]:
         """``drafts`` with every ``DEFERRED`` list replaced by its values (waits for the

@@ -154,9 +154,14 @@ class SpecDecodeRunner:
         max_reqs_by_tokens = runner.config.max_num_batched_tokens // q
         if min(max_reqs, max_reqs_by_tokens) < 1:
             return
+        draft_source = None
+        if self.proposer is not None and self._may_keep_on_device(runner, ()):
+            # Made now, so that the graphs gather the drafts kept there themselves.
+            self.store = DraftStore(runner.max_num_reqs, self.num_speculative_tokens, runner.vocab_size, runner.device)
+            draft_source = (self.store.ids.view(-1), runner.vocab_size)
         self.graphs = CudaGraphRunner(
             runner.model, runner.buffers, runner.metadata_builder, capture_sizes(max_reqs, max_reqs_by_tokens),
-            runner.max_model_len, runner.block_size, query_len=q,
+            runner.max_model_len, runner.block_size, query_len=q, draft_source=draft_source,
         )
         self.graphs.capture(pool)
 
@@ -184,24 +189,20 @@ class SpecDecodeRunner:
         seq_lens = np.asarray(starts, dtype=np.int64) + np.asarray(counts, dtype=np.int64)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
         table_rows = runner.block_table_cpu[rows, : cdiv(int(seq_lens.max()), runner.block_size)]
-        deferred = np.flatnonzero(tokens.reshape(-1) == DEFERRED)
-        tokens.reshape(-1)[deferred] = PAD_TOKEN  # filled on the device after the upload
-        if not graphs.load(tokens.reshape(-1), seq_lens, table_rows, size):
+        flat = tokens.reshape(-1)
+        deferred = np.flatnonzero(flat == DEFERRED)
+        gather = None
+        if len(deferred):  # the graph takes these from the store, by the sources staged with them
+            if graphs.draft_source is None:
+                return None
+            flat[deferred] = PAD_TOKEN
+            counts_kept = np.fromiter((len(d) if len(d) and d[0] == DEFERRED else 0 for d in drafts), dtype=np.int64, count=n)
+            gather = (deferred, self.store.sources(rows, counts_kept))
+        if not graphs.load(flat, seq_lens, table_rows, size, drafts=gather):
             return None
-        if len(deferred):  # into the staging the graph derives its inputs (and slots) from
-            graphs.feed_input_ids(*self._deferred_inputs(deferred, rows, drafts, graphs.staging_dev.device))
         common = graphs.common_metadata(n, torch.from_numpy(seq_lens.astype(np.int32)))
         common.block_table_cpu = torch.from_numpy(table_rows)
         return VerifyGraphStep(size, q, common, graphs.input_ids[: n * q], graphs.positions[: n * q])
-
-    def _deferred_inputs(self, targets: np.ndarray, rows: np.ndarray, drafts, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(targets, ids)`` on the device: the drafts kept there for the deferred requests
-        (on block-table ``rows``), for flat input positions ``targets`` (each such request's
-        draft slots, in request order)."""
-        counts = np.fromiter((len(d) if len(d) and d[0] == DEFERRED else 0 for d in drafts), dtype=np.int64, count=len(drafts))
-        sources = self.store.sources(rows, counts)
-        index = torch.from_numpy(np.concatenate([targets, sources])).to(device, non_blocking=True)
-        return index[: len(targets)], self.store.gather(index[len(targets) :])
 
     # ---- verification --------------------------------------------------------------------
     def execute(self, runner, sched, req_ids, states, starts, counts, drafts) -> ModelRunnerOutput:
