@@ -379,3 +379,63 @@ def test_a_step_run_ahead_with_nothing_to_follow_is_only_counted(
     # (nor for the last step, finished once nothing is left to schedule).
     assert sum(base_calls) > 0.7 * LONG.max_tokens
     assert sum(calls) == 0 and len(calls) < 0.1 * len(base_calls)
+
+
+# ---- the per-step caps, one request at a time and in numpy -------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_caps_one_request_at_a_time_equal_the_numpy_caps(seed):
+    """``DraftProposer._max_drafts_one_by_one`` (small batches) against ``_max_drafts``: random
+    steps over random rows (drafts verified and accepted, prefill chunks, drafts dropped
+    before verification, steps run ahead, requests near max_tokens / max_model_len) give
+    the same caps and leave the backoff and the rows in the same state."""
+    import copy
+    import types
+
+    from pagelm.plugins.spec_decode.rows import DraftRows
+
+    rng = np.random.default_rng(seed)
+    num_rows, k, max_model_len = 12, 3, 64
+
+    class Caps(DraftProposer):
+        def propose(self, batch):
+            raise AssertionError("only the caps are asked")
+
+    def proposer():
+        p = Caps.__new__(Caps)
+        p.num_speculative_tokens = k
+        p.rows = DraftRows(num_rows)
+        p.backoff = DraftBackoff(num_rows, backoff_after=2, max_backoff_steps=16)
+        return p
+
+    one, vec = proposer(), proposer()
+    requests = [
+        types.SimpleNamespace(row=r, sampling_params=types.SimpleNamespace(max_tokens=int(rng.integers(20, 60))),
+                              output_token_ids=[])
+        for r in range(num_rows)
+    ]
+    for _ in range(300):
+        picked = rng.choice(num_rows, size=int(rng.integers(1, num_rows + 1)), replace=False)
+        reqs = [requests[r] for r in picked]
+        for r in reqs:
+            r.output_token_ids = [0] * int(rng.integers(0, 60))
+        n = len(reqs)
+        num_drafts = np.where(rng.random(n) < 0.5, rng.integers(0, k + 1, n), 0)
+        num_sampled = np.where(rng.random(n) < 0.1, 0, 1 + (rng.random(n) * (num_drafts + 1)).astype(np.int64))
+        num_sampled = np.minimum(num_sampled, num_drafts + 1)
+        step = FinishedStep(
+            requests=reqs, rows=picked.astype(np.int64), num_drafts=num_drafts, num_sampled=num_sampled,
+            num_tokens=rng.integers(10, max_model_len, n), max_model_len=max_model_len, ahead=bool(rng.random() < 0.1),
+        )
+        got, want = one._max_drafts_one_by_one(step), vec._max_drafts(copy.copy(step))
+        assert got.tolist() == want.tolist()
+        # The next proposal hands out what was capped (some of it dropped before verification).
+        found = np.where(rng.random(n) < 0.8, got, 0)
+        one.rows.proposed[picked] = vec.rows.proposed[picked] = found
+        for a, b in ((one.backoff, vec.backoff), (one.rows, vec.rows)):
+            for name in ("misses", "resume_step", "gain", "proposed", "table_len"):
+                if hasattr(a, name):
+                    assert np.array_equal(getattr(a, name), getattr(b, name)), name
+        assert (one.backoff.step, one.backoff.num_skipped) == (vec.backoff.step, vec.backoff.num_skipped)
+    assert vec.backoff.num_skipped > 0 and (vec.backoff.misses >= 2).any() and (vec.backoff.gain > 0.3).any()

@@ -81,6 +81,23 @@ class DraftBackoff:
         self.resume_step[hit] = 0
         self._miss(rows[(accepted == 0) & (gain < MIN_GAIN)])
 
+    def observe_row(self, row: int, num_drafts: int, num_accepted: int) -> None:
+        """``observe`` for one row that had drafts (``DraftProposer`` for small batches)."""
+        gain = self.gain[row] = (1 - GAIN_ALPHA) * self.gain[row] + GAIN_ALPHA * num_accepted
+        if num_accepted > 0:
+            self.misses[row] = self.backoff_after - 1 if self.misses[row] >= self.backoff_after else 0
+            self.resume_step[row] = 0
+        elif gain < MIN_GAIN:
+            self.miss_row(row)
+
+    def miss_row(self, row: int) -> None:
+        """A miss of one row (``_miss``)."""
+        misses = self.misses[row] = self.misses[row] + 1
+        over = int(misses) - self.backoff_after
+        if over >= 0:
+            period = min(FIRST_BACKOFF_STEPS << min(over, 30), self.max_backoff_steps)
+            self.resume_step[row] = (self.step // period + 1) * period
+
     def observe_empty(self, rows: np.ndarray) -> None:
         """The proposer was asked for drafts for ``rows`` and found none (no n-gram match): a
         miss too. Such a request gains nothing from the step, yet an engine with a request
@@ -119,8 +136,21 @@ class DraftBackoff:
         set to 0, and a probe's to ``PROBE_DRAFTS``. The step's last call: it ends the step."""
         capped = np.where(self.resume_step[rows] > self.step, 0, max_drafts)
         self.num_skipped += int(np.count_nonzero(capped < max_drafts))
-        self.step += 1
+        self.end_step()
         probing = (self.misses[rows] >= self.backoff_after) & (capped > PROBE_DRAFTS)
         if probing.any():
             capped[probing] = PROBE_DRAFTS
         return capped
+
+    def cap_row(self, row: int, max_drafts: int) -> int:
+        """``cap`` for one row, without ending the step: ``end_step`` once every row of the
+        step is capped."""
+        capped = 0 if self.resume_step[row] > self.step else max_drafts
+        if capped < max_drafts:
+            self.num_skipped += 1
+        if capped > PROBE_DRAFTS and self.misses[row] >= self.backoff_after:
+            capped = PROBE_DRAFTS
+        return capped
+
+    def end_step(self) -> None:
+        self.step += 1

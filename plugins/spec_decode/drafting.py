@@ -102,17 +102,9 @@ class DraftProposer(Proposer):
     def propose_step(self, step: FinishedStep) -> list[list[int]] | DeviceDrafts:
         rows, n = step.rows, step.num_reqs
         fresh = self.rows.claim(step.requests)
-        if self.backoff is not None:
-            if fresh:
-                self.backoff.reset(fresh)
-            if step.num_drafts.any():  # what this step's verification accepted
-                self.backoff.observe(rows, step.num_drafts, np.maximum(step.num_sampled - 1, 0))
-        sampled = step.num_sampled > 0
-        max_drafts = self._backed_off(rows, np.where(sampled, self.num_speculative_tokens, 0), step.num_drafts, sampled)
-        if step.ahead:  # drafts would come too late
-            max_drafts = np.zeros_like(max_drafts)
-        elif max_drafts.any():
-            max_drafts = np.minimum(max_drafts, self._room(step))
+        if self.backoff is not None and fresh:
+            self.backoff.reset(fresh)
+        max_drafts = self._max_drafts_one_by_one(step) if n <= SCALAR_BATCH else self._max_drafts(step)
         if not max_drafts.any() and not (self.needs_every_step or self._follows(rows)):
             return [[] for _ in range(n)]
         target = step.target
@@ -162,7 +154,7 @@ class DraftProposer(Proposer):
         """The proposal of a step run ahead is left out (``step_skipped`` counts the step)
         when ``propose_step`` would do nothing with it but count it: adaptive drafting is on,
         no request of the step is new to its row, none had drafts dropped before it
-        (``_backed_off`` counts those), and nothing follows the step (``_follows``: a
+        (``_max_drafts`` counts those), and nothing follows the step (``_follows``: a
         proposer without a KV cache of its own, or EAGLE with every request deeply backed
         off)."""
         backoff = self.backoff
@@ -197,27 +189,64 @@ class DraftProposer(Proposer):
             return False
         return not (self.skips_deep_backoff and self.backoff is not None and self.backoff.deep(rows))
 
-    def _room(self, step: FinishedStep) -> np.ndarray:
-        """Drafts each request may take: k, fewer near max_model_len or max_tokens (all of
-        them plus the target's token must fit). A guided request's drafts are checked against
-        its grammar when the scheduler stores them."""
-        room = np.minimum(self.num_speculative_tokens, step.max_model_len - step.num_tokens - 1)
-        for i, s in enumerate(step.requests):
-            p = s.sampling_params
-            if p.max_tokens is not None:
-                room[i] = min(room[i], p.max_tokens - len(s.output_token_ids) - 1)
-        return np.maximum(room, 0)
-
-    def _backed_off(self, rows: np.ndarray, max_drafts: np.ndarray, num_drafts: np.ndarray, sampled) -> np.ndarray:
-        """``max_drafts`` capped by adaptive drafting, which first counts as misses the drafts
-        proposed last time that the scheduler dropped (no room)."""
-        if self.backoff is not None:
-            dropped = (self.rows.proposed[rows] > 0) & (num_drafts == 0) & sampled
+    def _max_drafts(self, step: FinishedStep) -> np.ndarray:
+        """Drafts each request of ``step`` may get for the next one: ``k`` for a request that
+        sampled, capped by adaptive drafting (after it has learnt from this step's
+        verification, and counted as misses the drafts proposed last time that the scheduler
+        dropped) and by the room left (``_room_of``); none for a step run ahead."""
+        rows, backoff = step.rows, self.backoff
+        sampled = step.num_sampled > 0
+        max_drafts = np.where(sampled, self.num_speculative_tokens, 0)
+        if backoff is not None:
+            if step.num_drafts.any():  # what this step's verification accepted
+                backoff.observe(rows, step.num_drafts, np.maximum(step.num_sampled - 1, 0))
+            dropped = (self.rows.proposed[rows] > 0) & (step.num_drafts == 0) & sampled
             if dropped.any():
-                self.backoff.observe_empty(rows[dropped])
-            max_drafts = self.backoff.cap(rows, max_drafts)
+                backoff.observe_empty(rows[dropped])
+            max_drafts = backoff.cap(rows, max_drafts)
         self.rows.proposed[rows] = 0
+        if step.ahead:  # drafts would come too late
+            return np.zeros_like(max_drafts)
+        if max_drafts.any():
+            room = [self._room_of(s, t, step.max_model_len) for s, t in zip(step.requests, step.num_tokens.tolist())]
+            max_drafts = np.minimum(max_drafts, room)
         return max_drafts
+
+    def _max_drafts_one_by_one(self, step: FinishedStep) -> np.ndarray:
+        """``_max_drafts`` a request at a time (``SCALAR_BATCH``): the same caps and the same
+        changes to the backoff's state, without a numpy call per quantity."""
+        k, backoff, proposed = self.num_speculative_tokens, self.backoff, self.rows.proposed
+        out = []
+        for s, row, drafted, sampled, known in zip(
+            step.requests, step.rows.tolist(), step.num_drafts.tolist(), step.num_sampled.tolist(),
+            step.num_tokens.tolist(),
+        ):
+            m = k if sampled > 0 else 0
+            if backoff is not None:
+                if drafted:
+                    backoff.observe_row(row, drafted, max(sampled - 1, 0))
+                elif sampled > 0 and proposed[row] > 0:  # dropped before verification
+                    backoff.miss_row(row)
+                m = backoff.cap_row(row, m)
+            proposed[row] = 0
+            if step.ahead:
+                m = 0
+            elif m:
+                m = min(m, self._room_of(s, known, step.max_model_len))
+            out.append(m)
+        if backoff is not None:
+            backoff.end_step()
+        return np.array(out, dtype=np.int64)
+
+    def _room_of(self, request: RequestView, num_tokens: int, max_model_len: int) -> int:
+        """Drafts a request with ``num_tokens`` known tokens may take: k, fewer near
+        max_model_len or max_tokens (all of them plus the target's token must fit). A guided
+        request's drafts are checked against its grammar when the scheduler stores them."""
+        room = min(self.num_speculative_tokens, max_model_len - num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - len(request.output_token_ids) - 1)
+        return max(room, 0)
 
 
 def _cut(drafts: Any, max_num_drafts: np.ndarray) -> list[list[int]] | None:
