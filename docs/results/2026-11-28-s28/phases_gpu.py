@@ -28,8 +28,13 @@ acc = collections.defaultdict(float)   # (engine, kind, phase) -> seconds, this 
 steps = collections.defaultdict(list)  # (engine, kind) -> [{phase: s}]
 cur = {"engine": None}
 
+WRAP = os.environ.get("WRAP", "1") == "1"  # 0: no phase timers (clean TPOT)
+
+
 def timed(obj, attr, phase):
-    orig = getattr(obj, attr)
+    orig = getattr(obj, attr, None)
+    if orig is None or not WRAP:
+        return
     @functools.wraps(orig)
     def wrapper(*a, **k):
         t = time.perf_counter()
@@ -56,9 +61,11 @@ for name, llm in engines.items():
         timed(s, "propose", "spec.propose")
         timed(s.proposer, "propose_step", "proposer.propose_step")
         timed(s, "rejection_sampler", "rejection_sampler")
-        if s.graphs is not None:
+        if s.graphs is not None and WRAP:
             timed(s.graphs, "replay", "verify_graph.replay")
             timed(s.graphs, "load", "verify_graph.load")
+    if not WRAP:
+        continue
     orig_step = core.step
     def step(_o=orig_step, _n=name, _c=core):
         acc.clear(); t = time.perf_counter(); r = _o(); dt = time.perf_counter() - t
@@ -82,10 +89,15 @@ for cls, attrs in (
 for name, llm in engines.items():
     llm.generate(prompts[0], sp, use_tqdm=False)
 steps.clear()
+tpot = {n: [] for n in engines}
 for r in range(1, rounds + 1):
     for name in (list(engines) if r % 2 else list(engines)[::-1]):
-        engines[name].generate(prompts[r], sp, use_tqdm=False)
+        outs = engines[name].generate(prompts[r], sp, use_tqdm=False)
+        tpot[name].append(statistics.median((o.metrics.finished_time - o.metrics.first_token_time) / (outlen - 1) for o in outs))
 print(f"batch {bs}, {outlen} tokens, {rounds} rounds; {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
+t = {n: statistics.median(v) for n, v in tpot.items()}
+print(f"TPOT median: plain {1e3 * t['plain']:.3f} ms, trained {1e3 * t['trained']:.3f} ms: speedup {t['plain'] / t['trained']:.2f}x"
+      f" (per round: {', '.join(f'{p / q:.2f}' for p, q in zip(tpot['plain'], tpot['trained']))})")
 for (name, kind), recs in sorted(steps.items()):
     phases = sorted({p for r in recs for p in r}, key=lambda p: -statistics.mean(r.get(p, 0) for r in recs))
     print(f"== {name} {kind}: {len(recs) / rounds:.0f} steps/run")
@@ -95,7 +107,7 @@ for (name, kind), recs in sorted(steps.items()):
 sys.stdout.flush()
 
 from torch.profiler import profile, ProfilerActivity
-for name, llm in engines.items():
+for name, llm in engines.items() if WRAP else ():
     n0 = sum(len(v) for (n, _), v in steps.items() if n == name)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(prompts[1], sp, use_tqdm=False)
