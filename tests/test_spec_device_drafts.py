@@ -219,3 +219,12 @@ def test_random_arrivals_aborts_and_preemptions_with_device_drafts_lose_no_token
             assert tokens == plain[i][: len(tokens)]
         else:
             assert tokens == plain[i]
+
+
+def test_the_store_keeps_drafts_of_consecutive_and_scattered_rows_alike():
+    """``keep`` writes consecutive rows as one slice and others by an index: the same ids
+    either way, other rows untouched."""
+    store = DraftStore(max_rows=5, num_speculative_tokens=K, vocab_size=50, device=torch.device("cpu"))
+    store.keep(np.array([1, 2, 3]), DeviceDrafts(torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]]), np.array([3, 2, 1])))
+    store.keep(np.array([4, 0]), DeviceDrafts(torch.tensor([[11, 12], [13, 14]]), np.array([2, 2])))
+    assert store.ids.tolist() == [[13, 14, 0], [1, 2, 3], [4, 5, 6], [7, 8, 9], [11, 12, 0]]

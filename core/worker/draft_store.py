@@ -44,8 +44,12 @@ class DraftStore:
         width = int(counts.max()) if len(counts) else 0
         if width == 0:
             return [[] for _ in range(len(counts))]
-        rows_t = torch.from_numpy(rows).to(self.device, non_blocking=True)
-        self.ids[rows_t, :width] = drafts.token_ids[:, :width].to(torch.long)
+        first, n = int(rows[0]), len(rows)
+        if n == 1 or rows.tolist() == list(range(first, first + n)):  # one slice: no index to upload
+            self.ids[first : first + n, :width].copy_(drafts.token_ids[:, :width])
+        else:
+            rows_t = torch.from_numpy(rows).to(self.device, non_blocking=True)
+            self.ids[rows_t, :width] = drafts.token_ids[:, :width].to(torch.long)
         if self.copied is not None:
             self.host.copy_(self.ids, non_blocking=True)
             self.copied.record()

@@ -218,13 +218,8 @@ class SpecDecodeRunner:
         graph_out = None
         if isinstance(step, VerifyGraphStep):  # launched first: the host work below overlaps it
             graph_out = self.graphs.replay(step.graph_size)
-        num_drafts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
-        counts_np = np.asarray(counts, dtype=np.int64)
-        rows_per_req = num_drafts + 1
-        row_start = np.concatenate([[0], np.cumsum(rows_per_req)[:-1]])
-        # Logits rows: the last 1 + d_i positions of request i.
-        first = first_token_index(step, counts_np) + counts_np - rows_per_req
-        logits_indices = np.repeat(first - row_start, rows_per_req) + np.arange(int(rows_per_req.sum()))
+        num_drafts = [len(d) for d in drafts]
+        firsts, row_start, logits_rows = _logits_rows(step, counts, num_drafts)
         # Penalties and bad words read each row's output history; otherwise only its length
         # matters (seeds keyed on the output index, min_tokens), and no history is copied.
         history = any(_reads_history(s.sampling_params) for s in states)
@@ -237,26 +232,30 @@ class SpecDecodeRunner:
             for j in range(len(d) + 1)
         ]
         md = build_sampling_metadata(rows, runner.eos_token_ids, runner.vocab_size, runner.device)
-        index = torch.from_numpy(logits_indices).to(runner.device, non_blocking=True)
+        # Every row of the step's output, in order (each request verifies k drafts, no
+        # padding): taken as it is, with no index to upload.
+        every_row = logits_rows[-1] == len(logits_rows) - 1
         if graph_out is not None:
             hidden, logits = graph_out
-            hidden, logits = hidden[: step.num_tokens], logits[index]
+            hidden = hidden[: step.num_tokens]
+            logits = logits[: len(logits_rows)] if every_row else logits[to_device(logits_rows, torch.long, runner.device)]
         else:
+            index = to_device(logits_rows, torch.long, runner.device)
             logits, hidden = runner.compute_logits(step, return_hidden=True, logits_indices=index)
         if sched.structured_output_request_ids and logits is not None:
             # A guided request's 1 + d rows from row_start: what its grammar allows after each
             # prefix of its drafts. The rejection sampler then verifies against masked logits.
-            runner.apply_grammar(logits, sched, req_ids, rows_of=row_start.tolist())
+            runner.apply_grammar(logits, sched, req_ids, rows_of=row_start)
         with host_sync_point():  # the verified tokens (and logprobs) come to the host
             if deferred:  # the drafting ran before this step on the device: its drafts are in
                 drafts = self.store.resolve(self.proposer, drafts, req_rows)
             if runner.pipeline is None:
                 verified = self.rejection_sampler(logits, md, [list(d) for d in drafts], runner.generator)
                 token_ids, logprobs_t = verified.token_ids, verified.logprobs
-                prompt_logprobs = runner.prompt_logprobs(states, starts, counts, hidden, first_token_index(step, counts_np))
+                prompt_logprobs = runner.prompt_logprobs(states, starts, counts, hidden, firsts)
             else:
                 token_ids, logprobs_t, prompt_logprobs = self._verify_pipelined(
-                    runner, logits, md, drafts, states, starts, counts, hidden, first_token_index(step, counts_np)
+                    runner, logits, md, drafts, states, starts, counts, hidden, firsts
                 )
             logprobs = _split_logprobs(logprobs_t, states, row_start, token_ids, runner.vocab_size)
 
@@ -270,7 +269,9 @@ class SpecDecodeRunner:
                 out_ids.append([])
         logprobs = [lp if tokens else None for lp, tokens in zip(logprobs, out_ids)]
         out = ModelRunnerOutput(req_ids, out_ids, logprobs, prompt_logprobs)
-        out.draft_token_ids = self.propose(runner, step, hidden, states, starts, counts, num_drafts, out_ids)
+        out.draft_token_ids = self.propose(
+            runner, step, hidden, states, starts, counts, np.array(num_drafts, dtype=np.int64), out_ids
+        )
         return out
 
     def _verify_pipelined(self, runner, logits, md, drafts, states, starts, counts, hidden, first):
@@ -425,6 +426,27 @@ class SpecDecodeRunner:
         )
 
 
+def _logits_rows(step, counts: list[int], num_drafts: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """For a verification step: each request's first row in the step's output
+    (``first_token_index``), where its logits rows start among the rows verified, and
+    those rows: the last ``1 + d_i`` of request ``i``'s positions. Plain lists: a few
+    requests' worth of numpy calls cost more than the loop."""
+    if isinstance(step, VerifyGraphStep):
+        q = step.query_len
+        firsts = [i * q + q - count for i, count in enumerate(counts)]
+    else:
+        firsts, at = [], 0
+        for count in counts:
+            firsts.append(at)
+            at += count
+    row_start, rows = [], []
+    for first, count, d in zip(firsts, counts, num_drafts):
+        row_start.append(len(rows))
+        end = first + count
+        rows.extend(range(end - 1 - d, end))
+    return firsts, row_start, rows
+
+
 def first_token_index(step, counts: np.ndarray) -> np.ndarray:
     """Flat index of each request's first scheduled token: packed one after another, or, in a
     verification graph, the last ``counts[i]`` of ``q`` rows per request (padding in front)."""
@@ -461,14 +483,14 @@ def _reads_history(p) -> bool:
 
 
 def _split_logprobs(
-    tensors: LogprobsTensors | None, states, row_start: np.ndarray, out_ids: list[list[int]], vocab_size: int
+    tensors: LogprobsTensors | None, states, row_start: list[int], out_ids: list[list[int]], vocab_size: int
 ) -> list[LogprobsLists | None]:
     """Per request, the logprobs rows of the tokens it emits."""
     if tensors is None:
         return [None] * len(states)
     ids, lps, ranks = tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
     out: list[LogprobsLists | None] = []
-    for s, start, tokens in zip(states, row_start.tolist(), out_ids):
+    for s, start, tokens in zip(states, row_start, out_ids):
         k = num_logprobs(s.sampling_params.logprobs, vocab_size)
         if k is None or not tokens:
             out.append(None)
