@@ -36,6 +36,7 @@ class DraftStore:
         cuda = device.type == "cuda"
         self.host = torch.zeros((max_rows, num_speculative_tokens), dtype=torch.long, pin_memory=cuda) if cuda else self.ids
         self.copied = torch.cuda.Event() if cuda else None  # the host copy of the latest proposal
+        self.stream = torch.cuda.current_stream(device) if cuda else None  # held: see ModelRunner.stream
 
     def keep(self, rows: np.ndarray, drafts: DeviceDrafts) -> list[list[int]]:
         """Keep ``drafts`` (one row per request, on block-table ``rows``); the scheduler's
@@ -52,7 +53,7 @@ class DraftStore:
             self.ids[rows_t, :width] = drafts.token_ids[:, :width].to(torch.long)
         if self.copied is not None:
             self.host.copy_(self.ids, non_blocking=True)
-            self.copied.record()
+            self.copied.record(self.stream)
         return [[DEFERRED] * c for c in counts.tolist()]
 
     @staticmethod

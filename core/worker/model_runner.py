@@ -108,6 +108,10 @@ class ModelRunner:
         # Recorded once a step's host-to-device input copies are queued: the next step waits
         # for it before it rewrites the pinned staging those copies read.
         self._inputs_uploaded = torch.cuda.Event() if device.type == "cuda" else None
+        # The stream every step runs on, held so that events are recorded on it directly:
+        # ``Event.record()`` looks the current stream up in Python (device index, availability
+        # checks, a new Stream object), tens of microseconds a step on a host-bound model.
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         # Vision-language models: each image's embeddings by identifier, from the step that
         # encodes it until the scheduler evicts it (``SchedulerOutput.free_encoder_identifiers``);
         # how many images the encoder has run on; running requests that have images.
@@ -373,7 +377,7 @@ class ModelRunner:
             if feeds is not None:
                 self._feed_samples(previous, step, feeds)
         if self._inputs_uploaded is not None:
-            self._inputs_uploaded.record()
+            self._inputs_uploaded.record(self.stream)
         if (
             sample_first is not None and sample_first.output is None and sample_first.sampled_host is None
             and self.pipeline is not None and self.pipeline.is_last
@@ -421,7 +425,7 @@ class ModelRunner:
         prompt_logprobs = self.prompt_logprobs_tensors(
             pending.states, pending.starts, pending.counts, pending.hidden, _packed_starts(pending.counts)
         )
-        pending.copy_to_host(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs)
+        pending.copy_to_host(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs, self.stream)
         if self.spec is None:  # only the proposer reads them
             pending.inputs = pending.hidden = None
 
@@ -443,7 +447,7 @@ class ModelRunner:
         logprobs, prompt_logprobs = self.pipeline.share_logprobs(
             None if sampled is None else sampled.logprobs, num_reqs, md.max_num_logprobs, prompt_logprobs, rows
         )
-        pending.copy_to_host(ids, logprobs, prompt_logprobs)
+        pending.copy_to_host(ids, logprobs, prompt_logprobs, self.stream)
         if self.spec is None or not self.spec.keeps_launched_steps:  # else the proposer reads them
             pending.inputs = pending.hidden = None
 

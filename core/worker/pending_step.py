@@ -74,16 +74,18 @@ class PendingStep:
         return cls(sched, output.req_ids, [], output=output)
 
     def copy_to_host(
-        self, sampled: torch.Tensor, logprobs: LogprobsTensors | None, prompt_logprobs: dict[str, LogprobsTensors]
+        self, sampled: torch.Tensor, logprobs: LogprobsTensors | None, prompt_logprobs: dict[str, LogprobsTensors],
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
-        """Queue the device-to-host copies of the step's results and record ``copied``."""
+        """Queue the device-to-host copies of the step's results and record ``copied`` (on
+        ``stream``, the runner's: the current one when None)."""
         self.sampled = sampled
         self.sampled_host = to_host(sampled)
         self.logprobs_host = None if logprobs is None else logprobs_to_host(logprobs)
         self.prompt_logprobs_host = {r: logprobs_to_host(t) for r, t in prompt_logprobs.items()}
         if sampled.is_cuda:
             self.copied = torch.cuda.Event()
-            self.copied.record()
+            self.copied.record(stream)
 
     def wait(self) -> None:
         """Block until the host copies are written (a host sync on CUDA; nothing on CPU)."""
