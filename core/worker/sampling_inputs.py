@@ -25,26 +25,40 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 def build_sampling_metadata(states, eos_token_ids: frozenset[int], vocab_size: int, device) -> SamplingMetadata:
+    """The sampler's inputs for one row per state. Which knobs are in use is decided over
+    the distinct ``SamplingParams`` objects (a verification step's rows of one request share
+    theirs, and a batch often shares one): the per-row loops run only for knobs someone sets."""
     params = [s.sampling_params for s in states]
     n = len(params)
+    distinct = list({id(p): p for p in params}.values())
+    # Which knobs anyone sets, in one pass.
+    presence = frequency = repetition = top_k = top_p = min_p = seeded = banning = False
+    for p in distinct:
+        presence |= p.presence_penalty != 0.0
+        frequency |= p.frequency_penalty != 0.0
+        repetition |= p.repetition_penalty != 1.0
+        top_k |= p.top_k != 0
+        top_p |= p.top_p != 1.0
+        min_p |= p.min_p != 0.0
+        seeded |= p.seed is not None and p.temperature >= SAMPLING_EPS
+        banning |= p.min_tokens > 0 or bool(p.bad_words_token_ids)
 
-    def column(values, dtype, default):
-        if all(v == default for v in values):
-            return None
-        return to_device(values, dtype, device)
+    def column(used, get, dtype):
+        return to_device([get(p) for p in params], dtype, device) if used else None
 
     temperature = to_device([p.temperature for p in params], torch.float32, device)
     greedy = [p.temperature < SAMPLING_EPS for p in params]
     generators = {}
-    for i, s in enumerate(states):
-        if s.sampling_params.seed is not None and not greedy[i]:
-            g = torch.Generator(device=device)
-            g.manual_seed(step_seed(s.sampling_params.seed, len(s.output_token_ids)))
-            generators[i] = g
+    if seeded:
+        for i, s in enumerate(states):
+            if s.sampling_params.seed is not None and not greedy[i]:
+                g = torch.Generator(device=device)
+                g.manual_seed(step_seed(s.sampling_params.seed, len(s.output_token_ids)))
+                generators[i] = g
 
-    presence = column([p.presence_penalty for p in params], torch.float32, 0.0)
-    frequency = column([p.frequency_penalty for p in params], torch.float32, 0.0)
-    repetition = column([p.repetition_penalty for p in params], torch.float32, 1.0)
+    presence = column(presence, lambda p: p.presence_penalty, torch.float32)
+    frequency = column(frequency, lambda p: p.frequency_penalty, torch.float32)
+    repetition = column(repetition, lambda p: p.repetition_penalty, torch.float32)
     prompt_ids = None
     if repetition is not None:
         width = max(s.num_prompt_tokens for s in states)
@@ -54,27 +68,28 @@ def build_sampling_metadata(states, eos_token_ids: frozenset[int], vocab_size: i
         prompt_ids = prompt_ids.to(device, non_blocking=True)
 
     banned_token_ids = {}
-    for i, s in enumerate(states):
-        p = s.sampling_params
-        banned = set()
-        if len(s.output_token_ids) < p.min_tokens:
-            banned = set(p.all_stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-        if p.bad_words_token_ids:  # its multi-token words: this step runs with its outputs known
-            banned |= bad_word_bans(p.bad_word_prefixes, s.output_token_ids)
-        if banned:
-            banned_token_ids[i] = banned
+    if banning:
+        for i, s in enumerate(states):
+            p = s.sampling_params
+            banned = set()
+            if len(s.output_token_ids) < p.min_tokens:
+                banned = set(p.all_stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            if p.bad_words_token_ids:  # its multi-token words: this step runs with its outputs known
+                banned |= bad_word_bans(p.bad_word_prefixes, s.output_token_ids)
+            if banned:
+                banned_token_ids[i] = banned
     rows = [(i, s.logits_row) for i, s in enumerate(states) if s.logits_row is not None]
 
-    wanted = [num_logprobs(p.logprobs, vocab_size) for p in params if p.logprobs is not None]
+    wanted = [num_logprobs(p.logprobs, vocab_size) for p in distinct if p.logprobs is not None]
     return SamplingMetadata(
         temperature=temperature,
         all_greedy=all(greedy),
         all_random=not any(greedy),
         # A top_k beyond the vocabulary keeps every token: clamped, it stays a small number.
-        top_k=column([min(p.top_k, vocab_size) for p in params], torch.long, 0),
-        max_top_k=min(max(p.top_k for p in params), vocab_size) or None,  # top_k >= 0; 0 = off
-        top_p=column([p.top_p for p in params], torch.float32, 1.0),
-        min_p=column([p.min_p for p in params], torch.float32, 0.0),
+        top_k=column(top_k, lambda p: min(p.top_k, vocab_size), torch.long),
+        max_top_k=min(max(p.top_k for p in distinct), vocab_size) or None,  # top_k >= 0; 0 = off
+        top_p=column(top_p, lambda p: p.top_p, torch.float32),
+        min_p=column(min_p, lambda p: p.min_p, torch.float32),
         generators=generators,
         max_num_logprobs=max(wanted) if wanted else None,
         prompt_token_ids=prompt_ids,
