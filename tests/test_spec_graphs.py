@@ -152,11 +152,22 @@ def eager_graphs(monkeypatch):
 
     def capture(self, pool=None):
         self._captured = {size: self.builder.build_for_cudagraph(self.common_metadata(size)) for size in self.sizes}
+        if self.stage is None:  # a graph's outputs stay where the capture put them, replay after replay
+            config = self.model.config
+            for size in self.sizes:
+                rows = size * self.query_len
+                self.outputs[(size, "")] = (torch.zeros(rows, config.hidden_size), torch.zeros(rows, config.vocab_size))
         return pool
 
     def replay(self, size):
         self.num_replays += 1
-        return self._step(size, self._captured[size])
+        out = self._step(size, self._captured[size])
+        if (size, "") not in self.outputs:
+            return out
+        kept = self.outputs[(size, "")]
+        for t, new in zip(kept, out):
+            t.copy_(new)
+        return kept
 
     monkeypatch.setattr(CudaGraphRunner, "capture", capture)
     monkeypatch.setattr(CudaGraphRunner, "replay", replay)
@@ -268,6 +279,8 @@ def test_eagle_drafting_graphs_draft_what_the_eager_passes_draft(
             assert proposer.graphs.sizes == proposer.step_graphs.sizes == [1, 2, 4, 8]
             assert proposer.step_graphs.query_len == 4
             assert proposer.graphs.num_replays > 0 and proposer.step_graphs.num_replays > 0
+            # Pass 1 reads each verification graph's step where its replay left it (2.23).
+            assert sorted(proposer.step_graphs.sources) == [1, 2, 4, 8]
             # After decode steps every pass is one graph; a step after which nobody drafts
             # (backed off) replays pass 1 alone.
             assert proposer.decode_graphs.query_len == 1 and proposer.decode_graphs.num_replays > 0
@@ -283,6 +296,50 @@ def test_eagle_drafting_graphs_draft_what_the_eager_passes_draft(
     # Some proposals capped a request below k (near max_tokens): the graph's rows past a
     # request's cap are cut, as the eager passes never compute them.
     assert any(0 < len(d) < 3 for step in proposals[True] for d in step)
+
+
+def test_eagle_pass_one_reads_the_verification_graphs_step_where_the_replay_left_it(
+    make_model, tmp_path, triton_on_cpu, eager_graphs
+):
+    """Every step drafts and verifies (no adaptive drafting): after each verification graph
+    step the head's whole-proposal graph copies that step (ids, positions, hidden states,
+    slots, lengths) in-graph from the verification graph's buffers (plugin API 2.23), no
+    copy from the host; its drafts are the eager passes' at every step."""
+    from safetensors.torch import load_file, save_file
+
+    model = make_model("spec_llama", "llama")
+    train_eagle_head(model, tmp_path / "head", EagleTrainConfig(steps=0), log=lambda *_: None)
+    # The untrained head reads the embedding alone (fc = [I | 0]): give it the hidden states too.
+    weights = load_file(tmp_path / "head" / "model.safetensors")
+    fc = weights["fc.weight"]
+    fc[:, fc.shape[0] :] = 0.5 * torch.randn(fc.shape[0], fc.shape[1] - fc.shape[0], generator=torch.Generator().manual_seed(0))
+    save_file(weights, tmp_path / "head" / "model.safetensors")
+    config = {"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path / "head"), "adaptive": False}
+    copies = []
+
+    def graphs_state(proposer, graphs):
+        if graphs:
+            step = proposer.step_graphs
+            assert sorted(step.sources) == [1, 2, 4, 8] and step.num_replays > 10
+            # The verification graph's step was already where pass 1 reads it.
+            assert copies and not any(copies)
+
+    from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs
+
+    load_step = EagleDraftGraphs.load_step
+
+    def recording_load_step(self, target, max_drafts, block_rows, size):
+        if self.query_len and self.query_len > 1:
+            copies.append(target.hidden_states.data_ptr() != self.sources[size].hidden_states.data_ptr())
+        return load_step(self, target, max_drafts, block_rows, size)
+
+    EagleDraftGraphs.load_step = recording_load_step
+    try:
+        proposals = _proposals_with_and_without_graphs(model, config, graphs_state)
+    finally:
+        EagleDraftGraphs.load_step = load_step
+    assert proposals[True] == proposals[False]
+    assert sum(len(d) for step in proposals[True] for d in step) > 30
 
 
 def test_eagle_drafting_graphs_with_a_draft_vocabulary_draft_what_the_eager_passes_draft(make_model, tmp_path, triton_on_cpu, eager_graphs):

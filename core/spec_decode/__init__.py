@@ -4,7 +4,12 @@ drafting itself, ``ngram``, ``eagle`` and ``medusa`` are in ``pagelm.plugins.spe
 ``pagelm.sample.rejection_sampler`` and ``pagelm.worker.spec_decode``."""
 
 from pagelm.spec_decode.config import SpeculativeConfig
-from pagelm.spec_decode.proposer import DeviceDrafts, DraftGraphSetup, FinishedStep, Proposer, RequestView, TargetPass
+from pagelm.spec_decode.proposer import (
+    DeviceDrafts, DraftGraphSetup, FinishedStep, Proposer, RequestView, TargetPass, VerificationBuffers,
+)
 from pagelm.spec_decode.stats import SpecDecodingStats
 
-__all__ = ["DeviceDrafts", "DraftGraphSetup", "FinishedStep", "Proposer", "RequestView", "SpecDecodingStats", "SpeculativeConfig", "TargetPass"]
+__all__ = [
+    "DeviceDrafts", "DraftGraphSetup", "FinishedStep", "Proposer", "RequestView", "SpecDecodingStats",
+    "SpeculativeConfig", "TargetPass", "VerificationBuffers",
+]

@@ -181,6 +181,28 @@ class DraftGraphSetup:
     device: torch.device
     # The memory pool of the target's graphs: share it (graphs that never replay at once may).
     pool: Any
+    # Plugin API 2.23: the target's verification graph of each captured batch size, by size:
+    # where a replay leaves its step (``VerificationBuffers``). A proposer graph replayed
+    # right after one may read them in-graph instead of having them copied in from the
+    # host (empty: no verification graphs, or none a proposer may read).
+    verify_buffers: dict[int, VerificationBuffers] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class VerificationBuffers:
+    """One verification graph's persistent tensors (plugin API 2.23): after its replay for
+    ``n`` requests of ``q`` tokens each (``n`` up to its size, padded in front as
+    ``pagelm.worker.cuda_graphs`` describes), the first ``n * q`` rows hold the step's input
+    ids, positions, KV slots and the target's hidden states, and the first ``n`` entries of
+    ``seq_lens`` each request's length. The same tensors every replay (a graph's inputs and
+    outputs live at fixed addresses), so a graph captured over them reads each step's.
+    Between replays a proposer may write them (the next replay rewrites them all)."""
+
+    input_ids: torch.Tensor  # [size * q] int64
+    positions: torch.Tensor  # [size * q] int64
+    hidden_states: torch.Tensor  # [size * q, hidden]
+    slot_mapping: torch.Tensor  # [size * q] int64
+    seq_lens: torch.Tensor  # [size] int32
 
 
 def decode_attention_metadata(

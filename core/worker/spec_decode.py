@@ -49,6 +49,7 @@ from pagelm.spec_decode.proposer import (
     FinishedStep,
     Proposer,
     TargetPass,
+    VerificationBuffers,
     checked_device_drafts,
     checked_drafts,
     decode_attention_metadata,
@@ -140,7 +141,27 @@ class SpecDecodeRunner:
                 max_blocks_per_req=runner.buffers.max_blocks_per_req,
                 device=runner.device,
                 pool=pool,
+                verify_buffers=self._verify_buffers(),
             ))
+
+    def _verify_buffers(self) -> dict[int, VerificationBuffers]:
+        """Each verification graph's tensors, for a proposer's graphs to read in-graph (one
+        variant per size: a backend with variants leaves each its own outputs)."""
+        graphs = self.graphs
+        if graphs is None or graphs.variants != ("",):
+            return {}
+        q = graphs.query_len
+        return {
+            size: VerificationBuffers(
+                input_ids=graphs.input_ids[: size * q],
+                positions=graphs.positions[: size * q],
+                hidden_states=graphs.outputs[(size, "")][0],
+                slot_mapping=graphs.slot_mapping[: size * q],
+                seq_lens=graphs.seq_lens[:size],
+            )
+            for size in graphs.sizes
+            if (size, "") in graphs.outputs
+        }
 
     def _capture_verify_graphs(self, runner, pool: tuple[int, int] | None) -> None:
         if runner.backend.graph_support != GraphSupport.ALWAYS:

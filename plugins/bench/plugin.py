@@ -3,7 +3,7 @@ command runs."""
 
 from pagelm import hookimpl
 
-PAGELM_PLUGIN_API = "2.22"
+PAGELM_PLUGIN_API = "2.23"
 
 
 @hookimpl

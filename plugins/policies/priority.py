@@ -13,7 +13,7 @@ from pagelm import hookimpl
 from pagelm.request import Request
 from pagelm.sched.policy import SchedulingPolicy
 
-PAGELM_PLUGIN_API = "2.22"
+PAGELM_PLUGIN_API = "2.23"
 
 
 class PriorityPolicy(SchedulingPolicy):

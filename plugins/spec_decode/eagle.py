@@ -56,7 +56,7 @@ from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs, replays_without_host_planning, uniform_query_len
 from pagelm.spec_decode import DeviceDrafts, DraftGraphSetup
 
-PAGELM_PLUGIN_API = "2.22"
+PAGELM_PLUGIN_API = "2.23"
 
 logger = logging.getLogger("pagelm")
 
@@ -143,8 +143,10 @@ class EagleProposer(DraftProposer):
         self.decode_graphs = EagleDraftGraphs(*args, query_len=1)
         self.kv_graphs = {1: EagleDraftGraphs(*args, query_len=1, kv_only=True)}
         if setup.graph_support == GraphSupport.ALWAYS:  # graph metadata of 1 + k tokens per request
-            self.step_graphs = EagleDraftGraphs(*args, query_len=1 + k)
-            self.kv_graphs[1 + k] = EagleDraftGraphs(*args, query_len=1 + k, kv_only=True)
+            # Pass 1 reads the verification graph's step where it is (plugin API 2.23).
+            sources = setup.verify_buffers
+            self.step_graphs = EagleDraftGraphs(*args, query_len=1 + k, sources=sources)
+            self.kv_graphs[1 + k] = EagleDraftGraphs(*args, query_len=1 + k, kv_only=True, sources=sources)
         for graphs in (self.graphs, self.decode_graphs, self.step_graphs, *self.kv_graphs.values()):
             if graphs is not None:
                 graphs.capture(setup.pool)

@@ -7,9 +7,11 @@
   (a verification step, replayed by the target's verification graph), then passes ``2..k``:
   the whole proposal is one replay.
 
-What a replay needs from the host is staged in one pinned buffer and copied once; the
+What a replay needs from the host is staged in one pinned buffer and copied once. The
 target's pass (its input ids, positions, hidden states, slots, ``seq_lens``) is copied into
-the graph's buffers device to device::
+the graph's buffers device to device: in-graph from the verification graph of the same size
+when that ran the step (``DraftGraphSetup.verify_buffers``, plugin API 2.23: no copy is
+issued from the host), else from the host into where the graph reads it::
 
     pinned staging (int64):  | p* [R] | max drafts [R] | last index [R] | next token [R] | real [R] | block rows [n x cols] |
                                p*: a request's last verified position; last index: its flat row
@@ -41,7 +43,7 @@ import torch
 from torch import nn
 
 from pagelm.attention import AttentionMetadataBuilder, CommonAttentionMetadata, ForwardContext, forward_context
-from pagelm.spec_decode import DraftGraphSetup, TargetPass
+from pagelm.spec_decode import DraftGraphSetup, TargetPass, VerificationBuffers
 
 logger = logging.getLogger("pagelm")
 
@@ -83,6 +85,7 @@ class EagleDraftGraphs:
         dtype: torch.dtype,
         query_len: int | None = None,
         kv_only: bool = False,
+        sources: dict[int, VerificationBuffers] | None = None,
     ) -> None:
         assert num_drafts >= 2 or query_len is not None, "passes 2..k alone need k >= 2"
         assert query_len is not None or not kv_only, "kv_only is the first pass alone: it needs query_len"
@@ -124,6 +127,14 @@ class EagleDraftGraphs:
             self.step_seq_lens = torch.ones(r, dtype=torch.int32, device=device)
             self.step_query_start_loc = torch.arange(r + 1, dtype=torch.int32, device=device) * q
             self._step_qsl_host = torch.arange(r + 1, dtype=torch.int32) * q
+        # Per size: the verification graph of that size, whose step pass 1 copies in-graph
+        # into the step_* buffers above (``DraftGraphSetup.verify_buffers``): after a
+        # verification graph step nothing is copied from the host (``load_step``).
+        self.sources = {
+            size: b for size, b in (sources or {}).items()
+            if query_len is not None and size in self.sizes and b.input_ids.shape[0] == size * query_len
+            and b.hidden_states.shape[1:] == (hidden_size,) and b.hidden_states.dtype == dtype
+        }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
 
@@ -211,11 +222,19 @@ class EagleDraftGraphs:
             _LAST_INDEX: target.last_token_index, _NEXT_TOKEN: target.next_token_ids, _REAL: 1,
         }, block_rows, size)
         common = target.common
-        self.step_input_ids[:num_tokens].copy_(target.input_ids)
-        self.step_positions[:num_tokens].copy_(target.positions)
-        self.step_hidden[:num_tokens].copy_(target.hidden_states[:num_tokens])
-        self.step_slot_mapping[:num_tokens].copy_(common.slot_mapping[:num_tokens])
-        self.step_seq_lens[:n].copy_(common.seq_lens[:n])
+        src = self.sources.get(size)
+        # Where the graph reads the step from: the verification graph's buffers when one of
+        # this size ran it (then the step is there already), else this graph's own.
+        for into, own, value, rows in (
+            (src and src.input_ids, self.step_input_ids, target.input_ids, num_tokens),
+            (src and src.positions, self.step_positions, target.positions, num_tokens),
+            (src and src.hidden_states, self.step_hidden, target.hidden_states, num_tokens),
+            (src and src.slot_mapping, self.step_slot_mapping, common.slot_mapping, num_tokens),
+            (src and src.seq_lens, self.step_seq_lens, common.seq_lens, n),
+        ):
+            into = own if into is None else into
+            if value.data_ptr() != into.data_ptr():
+                into[:rows].copy_(value[:rows])
 
     def replay(self, size: int) -> torch.Tensor:
         """Run the graph for ``size`` (inputs loaded): the drafts ``[size, k]``."""
@@ -233,6 +252,13 @@ class EagleDraftGraphs:
         (None with ``kv_only``: the head's KV is all it leaves)."""
         q = self.query_len
         num_tokens = size * q
+        src = self.sources.get(size)
+        if src is not None:  # the verification graph's step, where its replay left it
+            self.step_input_ids[:num_tokens].copy_(src.input_ids)
+            self.step_positions[:num_tokens].copy_(src.positions)
+            self.step_hidden[:num_tokens].copy_(src.hidden_states[:num_tokens])
+            self.step_slot_mapping[:num_tokens].copy_(src.slot_mapping)
+            self.step_seq_lens[:size].copy_(src.seq_lens)
         padding = self._field(_REAL, size) == 0
         # A padding request stores nothing and attends one key.
         self.step_slot_mapping[:num_tokens].view(size, q).masked_fill_(padding[:, None], -1)
