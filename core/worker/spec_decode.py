@@ -410,7 +410,7 @@ class SpecDecodeRunner:
         proposer that reads them (a graph replay's inputs live in the graph's staging, so
         they are uploaded again)."""
         states, rows, num_sampled, n = finished.requests, finished.rows, finished.num_sampled, finished.num_reqs
-        first = first_token_index(step, counts_np)
+        first = np.array(first_token_index(step, counts_np.tolist()), dtype=np.int64)
         # The last verified position: before the rejected drafts (accepted: num_sampled - 1).
         last_index = np.where(
             num_sampled > 0, first + counts_np - 1 - finished.num_drafts + num_sampled - 1, first + counts_np - 1
@@ -452,14 +452,7 @@ def _logits_rows(step, counts: list[int], num_drafts: list[int]) -> tuple[list[i
     (``first_token_index``), where its logits rows start among the rows verified, and
     those rows: the last ``1 + d_i`` of request ``i``'s positions. Plain lists: a few
     requests' worth of numpy calls cost more than the loop."""
-    if isinstance(step, VerifyGraphStep):
-        q = step.query_len
-        firsts = [i * q + q - count for i, count in enumerate(counts)]
-    else:
-        firsts, at = [], 0
-        for count in counts:
-            firsts.append(at)
-            at += count
+    firsts = first_token_index(step, counts)
     row_start, rows = [], []
     for first, count, d in zip(firsts, counts, num_drafts):
         row_start.append(len(rows))
@@ -468,13 +461,17 @@ def _logits_rows(step, counts: list[int], num_drafts: list[int]) -> tuple[list[i
     return firsts, row_start, rows
 
 
-def first_token_index(step, counts: np.ndarray) -> np.ndarray:
+def first_token_index(step, counts: list[int]) -> list[int]:
     """Flat index of each request's first scheduled token: packed one after another, or, in a
     verification graph, the last ``counts[i]`` of ``q`` rows per request (padding in front)."""
     if isinstance(step, VerifyGraphStep):
         q = step.query_len
-        return np.arange(len(counts), dtype=np.int64) * q + q - counts
-    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        return [i * q + q - count for i, count in enumerate(counts)]
+    firsts, at = [], 0
+    for count in counts:
+        firsts.append(at)
+        at += count
+    return firsts
 
 
 class _Length:

@@ -34,6 +34,7 @@ table, which each pass rewrites in-graph: a backend that plans on the host befor
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -66,6 +67,11 @@ def uniform_query_len(target: TargetPass) -> int | None:
         return None
     q = common.max_query_len
     return q if common.num_actual_tokens == common.num_reqs * q else None
+
+
+# A step's pass, field by field (``VerificationBuffers``): ``seq_lens`` has a row per request,
+# the others one per token.
+_STEP_FIELDS = tuple(f.name for f in dataclasses.fields(VerificationBuffers))
 
 
 class EagleDraftGraphs:
@@ -127,6 +133,10 @@ class EagleDraftGraphs:
             self.step_seq_lens = torch.ones(r, dtype=torch.int32, device=device)
             self.step_query_start_loc = torch.arange(r + 1, dtype=torch.int32, device=device) * q
             self._step_qsl_host = torch.arange(r + 1, dtype=torch.int32) * q
+            # The same five, as pass 1 reads them.
+            self._own = VerificationBuffers(
+                self.step_input_ids, self.step_positions, self.step_hidden, self.step_slot_mapping, self.step_seq_lens
+            )
         # Per size: the verification graph of that size, whose step pass 1 copies in-graph
         # into the step_* buffers above (``DraftGraphSetup.verify_buffers``): after a
         # verification graph step nothing is copied from the host (``load_step``).
@@ -222,19 +232,16 @@ class EagleDraftGraphs:
             _LAST_INDEX: target.last_token_index, _NEXT_TOKEN: target.next_token_ids, _REAL: 1,
         }, block_rows, size)
         common = target.common
-        src = self.sources.get(size)
+        step = VerificationBuffers(
+            target.input_ids, target.positions, target.hidden_states, common.slot_mapping, common.seq_lens
+        )
         # Where the graph reads the step from: the verification graph's buffers when one of
         # this size ran it (then the step is there already), else this graph's own.
-        for into, own, value, rows in (
-            (src and src.input_ids, self.step_input_ids, target.input_ids, num_tokens),
-            (src and src.positions, self.step_positions, target.positions, num_tokens),
-            (src and src.hidden_states, self.step_hidden, target.hidden_states, num_tokens),
-            (src and src.slot_mapping, self.step_slot_mapping, common.slot_mapping, num_tokens),
-            (src and src.seq_lens, self.step_seq_lens, common.seq_lens, n),
-        ):
-            into = own if into is None else into
-            if value.data_ptr() != into.data_ptr():
-                into[:rows].copy_(value[:rows])
+        into = self.sources.get(size) or self._own
+        for name in _STEP_FIELDS:
+            value, dst, rows = getattr(step, name), getattr(into, name), n if name == "seq_lens" else num_tokens
+            if value.data_ptr() != dst.data_ptr():
+                dst[:rows].copy_(value[:rows])
 
     def replay(self, size: int) -> torch.Tensor:
         """Run the graph for ``size`` (inputs loaded): the drafts ``[size, k]``."""
@@ -254,11 +261,9 @@ class EagleDraftGraphs:
         num_tokens = size * q
         src = self.sources.get(size)
         if src is not None:  # the verification graph's step, where its replay left it
-            self.step_input_ids[:num_tokens].copy_(src.input_ids)
-            self.step_positions[:num_tokens].copy_(src.positions)
-            self.step_hidden[:num_tokens].copy_(src.hidden_states[:num_tokens])
-            self.step_slot_mapping[:num_tokens].copy_(src.slot_mapping)
-            self.step_seq_lens[:size].copy_(src.seq_lens)
+            for name in _STEP_FIELDS:
+                rows = size if name == "seq_lens" else num_tokens
+                getattr(self._own, name)[:rows].copy_(getattr(src, name)[:rows])
         padding = self._field(_REAL, size) == 0
         # A padding request stores nothing and attends one key.
         self.step_slot_mapping[:num_tokens].view(size, q).masked_fill_(padding[:, None], -1)
