@@ -95,3 +95,18 @@ def test_requests_without_drafts_get_one_token():
     logits = TARGET_LOGITS[:2]
     out = RejectionSampler()(logits, metadata(2, temperature=0.0), [[], []])
     assert out.token_ids == [[0], [3]] and out.num_accepted == [0, 0]
+
+
+def test_verify_argmax_gives_the_greedy_samplers_tokens():
+    """The path for rows with nothing to process: the same runs as the sampler with an
+    all-greedy metadata, over random logits and drafts that often agree with the argmax."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        n = int(torch.randint(1, 6, (1,), generator=gen))
+        drafts = [torch.randint(0, 3, (int(torch.randint(0, 4, (1,), generator=gen)),), generator=gen).tolist() for _ in range(n)]
+        rows = sum(len(d) + 1 for d in drafts)
+        logits = torch.randn(rows, 3, generator=gen)
+        expected = RejectionSampler()(logits, metadata(rows, temperature=0.0), drafts)
+        got = RejectionSampler().verify_argmax(logits, drafts)
+        assert (got.token_ids, got.num_accepted, got.logprobs) == (expected.token_ids, expected.num_accepted, None)
+    assert RejectionSampler().verify_argmax(TARGET_LOGITS.repeat(3, 1), [[0, 3], [0, 1], [5, 3]]).token_ids == [[0, 3, 0], [0, 3], [0]]

@@ -83,18 +83,17 @@ class RejectionSampler:
             return self._verify_deterministic(logits, md, draft_token_ids, generator)
         return self._verify_probabilistic(logits, md, draft_token_ids, draft_probs, generator)
 
+    def verify_argmax(self, logits: torch.Tensor, draft_token_ids: list[list[int]]) -> RejectionSamplerOutput:
+        """Every row greedy with nothing to process (``SamplingMetadata`` would only say so):
+        the target's token is each row's argmax, and a draft is accepted while it equals it.
+        The same tokens as ``__call__`` with an all-greedy ``md``, without building one."""
+        num_rows = sum(len(d) + 1 for d in draft_token_ids)
+        assert logits.shape[0] == num_rows, f"{logits.shape[0]} logits rows for {num_rows} draft + bonus rows"
+        return _accept_equal(logits.argmax(dim=-1).tolist(), draft_token_ids, None)  # the one host sync
+
     def _verify_deterministic(self, logits, md, draft_token_ids, generator) -> RejectionSamplerOutput:
         out = self.sampler(logits, md, generator)
-        sampled = out.sampled_token_ids.tolist()  # the one host sync
-        tokens, accepted, row = [], [], 0
-        for drafts in draft_token_ids:
-            a = 0
-            while a < len(drafts) and sampled[row + a] == drafts[a]:
-                a += 1
-            tokens.append(sampled[row : row + a + 1])
-            accepted.append(a)
-            row += len(drafts) + 1
-        return RejectionSamplerOutput(tokens, accepted, out.logprobs)
+        return _accept_equal(out.sampled_token_ids.tolist(), draft_token_ids, out.logprobs)  # the one host sync
 
     def _verify_probabilistic(self, logits, md, draft_token_ids, draft_probs, generator) -> RejectionSamplerOutput:
         draft_rows, bonus_rows = draft_row_layout(draft_token_ids)
@@ -135,6 +134,20 @@ class RejectionSampler:
             chosen_t = torch.tensor(chosen, dtype=torch.long).to(device)
             logprobs = gather_logprobs(logits.log_softmax(dim=-1), chosen_t, md.max_num_logprobs)
         return RejectionSamplerOutput(tokens, accepted, logprobs)
+
+
+def _accept_equal(sampled: list[int], draft_token_ids: list[list[int]], logprobs) -> RejectionSamplerOutput:
+    """One-hot drafts against the target's draws ``sampled`` (one per row): each request's
+    drafts up to the first that differs from the draw at its row, then that row's draw."""
+    tokens, accepted, row = [], [], 0
+    for drafts in draft_token_ids:
+        a = 0
+        while a < len(drafts) and sampled[row + a] == drafts[a]:
+            a += 1
+        tokens.append(sampled[row : row + a + 1])
+        accepted.append(a)
+        row += len(drafts) + 1
+    return RejectionSamplerOutput(tokens, accepted, logprobs)
 
 
 def target_probs(processed_logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

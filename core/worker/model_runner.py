@@ -52,7 +52,7 @@ from pagelm.worker.pipeline_stage import PipelineStage
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
 from pagelm.worker.pending_step import PLACEHOLDER_TOKEN, PendingStep, logprobs_lists
 from pagelm.worker.step_state import CachedRequestState, StepInputs, host_sync_point
-from pagelm.worker.sampling_inputs import build_sampling_metadata, to_device
+from pagelm.worker.sampling_inputs import argmax_only, build_sampling_metadata, to_device
 from pagelm.worker.spec_decode import SpecDecodeRunner
 
 logger = logging.getLogger("pagelm")
@@ -280,6 +280,7 @@ class ModelRunner:
         assert self._free_rows, "more running requests than max_num_seqs"
         state.row = self._free_rows.pop()
         state.logits_row = build_logits_row(state.sampling_params, self.vocab_size, self.device)
+        state.argmax_only = argmax_only(state.sampling_params, state.logits_row)
         self.block_table_cpu[state.row, : len(state.block_ids)] = state.block_ids
         self.requests[state.req_id] = state
         self._num_mm_requests += bool(state.mm_features)

@@ -24,6 +24,18 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
+def argmax_only(params, logits_row) -> bool:
+    """Whether a request's every token is the argmax of its raw logits: greedy, with nothing
+    that changes the logits before the argmax (penalties, min_tokens, bad words, its logits
+    row of logit_bias / allowed_token_ids) and no logprobs to gather. Its rows then need no
+    ``SamplingMetadata``."""
+    return (
+        params.temperature < SAMPLING_EPS and logits_row is None and params.logprobs is None
+        and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0
+        and params.min_tokens == 0 and not params.bad_words_token_ids
+    )
+
+
 def build_sampling_metadata(states, eos_token_ids: frozenset[int], vocab_size: int, device) -> SamplingMetadata:
     """The sampler's inputs for one row per state. Which knobs are in use is decided over
     the distinct ``SamplingParams`` objects (a verification step's rows of one request share

@@ -241,18 +241,9 @@ class SpecDecodeRunner:
             graph_out = self.graphs.replay(step.graph_size)
         num_drafts = [len(d) for d in drafts]
         firsts, row_start, logits_rows = _logits_rows(step, counts, num_drafts)
-        # Penalties and bad words read each row's output history; otherwise only its length
-        # matters (seeds keyed on the output index, min_tokens), and no history is copied.
-        history = any(_reads_history(s.sampling_params) for s in states)
-        rows = [
-            _DraftRow(
-                s.sampling_params, _outputs_at(s.output_token_ids, d, j, history), s.num_prompt_tokens, s.token_ids,
-                s.logits_row,
-            )
-            for s, d in zip(states, drafts)
-            for j in range(len(d) + 1)
-        ]
-        md = build_sampling_metadata(rows, runner.eos_token_ids, runner.vocab_size, runner.device)
+        md = None  # every row an argmax of the raw logits: none needed
+        if runner.pipeline is not None or sched.structured_output_request_ids or not all(s.argmax_only for s in states):
+            md = self._sampling_metadata(runner, states, drafts)
         # Every row of the step's output, in order (each request verifies k drafts, no
         # padding): taken as it is, with no index to upload.
         every_row = logits_rows[-1] == len(logits_rows) - 1
@@ -271,7 +262,11 @@ class SpecDecodeRunner:
             if deferred:  # the drafting ran before this step on the device: its drafts are in
                 drafts = self.store.resolve(self.proposer, drafts, req_rows)
             if runner.pipeline is None:
-                verified = self.rejection_sampler(logits, md, [list(d) for d in drafts], runner.generator)
+                draft_lists = [list(d) for d in drafts]
+                if md is None:
+                    verified = self.rejection_sampler.verify_argmax(logits, draft_lists)
+                else:
+                    verified = self.rejection_sampler(logits, md, draft_lists, runner.generator)
                 token_ids, logprobs_t = verified.token_ids, verified.logprobs
                 prompt_logprobs = runner.prompt_logprobs(states, starts, counts, hidden, firsts)
             else:
@@ -294,6 +289,23 @@ class SpecDecodeRunner:
             runner, step, hidden, states, starts, counts, np.array(num_drafts, dtype=np.int64), out_ids
         )
         return out
+
+    @staticmethod
+    def _sampling_metadata(runner, states, drafts):
+        """One metadata row per verification row: request ``i``'s ``1 + d_i`` rows, row ``j``
+        seeing its outputs then its first ``j`` drafts, as plain decoding would."""
+        # Penalties and bad words read each row's output history; otherwise only its length
+        # matters (seeds keyed on the output index, min_tokens), and no history is copied.
+        history = any(_reads_history(s.sampling_params) for s in states)
+        rows = [
+            _DraftRow(
+                s.sampling_params, _outputs_at(s.output_token_ids, d, j, history), s.num_prompt_tokens, s.token_ids,
+                s.logits_row,
+            )
+            for s, d in zip(states, drafts)
+            for j in range(len(d) + 1)
+        ]
+        return build_sampling_metadata(rows, runner.eos_token_ids, runner.vocab_size, runner.device)
 
     def _verify_pipelined(self, runner, logits, md, drafts, states, starts, counts, hidden, first):
         """Pipeline parallelism: the last stage (``logits`` not None) verifies; its tokens

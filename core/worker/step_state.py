@@ -28,6 +28,9 @@ class CachedRequestState:
     # Its logit_bias / allowed_token_ids / one-token bad_words as one [vocab] row, built when
     # it joins the runner (pagelm.sample.request_logits); None when it uses none of them.
     logits_row: torch.Tensor | None = None
+    # Whether its token is the argmax of the raw logits (``argmax_only``): a verification
+    # step of such requests needs no sampling metadata. Set when it joins the runner.
+    argmax_only: bool = False
     # Its images (pagelm.multimodal.MultiModalFeature), by offset; empty for text.
     mm_features: list = field(default_factory=list)
     # Its own rotary positions (pagelm.multimodal.RequestPositions; M-RoPE), made when it
