@@ -71,10 +71,15 @@ class DraftStore:
         copy of the proposal to the host), checked against the vocabulary."""
         if self.copied is not None:
             self.copied.synchronize()
-        host = self.host.numpy()
-        out = [list(host[row, : len(d)]) if len(d) and d[0] == DEFERRED else list(d) for d, row in zip(drafts, rows.tolist())]
-        check_draft_ids(proposer, [int(t) for d in out for t in d], self.vocab_size)
-        return [[int(t) for t in d] for d in out]
+        kept = self.host.numpy()[rows]
+        if len(kept) and (kept.min() < 0 or kept.max() >= self.vocab_size):  # rare: name the culprit
+            check_draft_ids(proposer, [int(t) for d, r in zip(drafts, kept) for t in _values(d, r)], self.vocab_size)
+        return [_values(d, r) for d, r in zip(drafts, kept.tolist())]
+
+
+def _values(drafts, kept_row) -> list:
+    """A request's drafts: its kept row's first ``len(drafts)`` when they are ``DEFERRED``."""
+    return list(kept_row[: len(drafts)]) if len(drafts) and drafts[0] == DEFERRED else list(drafts)
 
 
 def _ranges(counts: np.ndarray) -> np.ndarray:

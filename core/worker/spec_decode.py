@@ -200,17 +200,19 @@ class SpecDecodeRunner:
         if size is None:
             return None
         n, q = len(states), graphs.query_len
-        tokens = np.full((n, q), PAD_TOKEN, dtype=np.int64)
-        for i, (state, start, count, d) in enumerate(zip(states, starts, counts, drafts)):
+        ids: list[int] = []  # q per request, padding in front (a list: numpy item writes cost more)
+        for state, start, count, d in zip(states, starts, counts, drafts):
             if count != 1 + len(d) or start + 1 != len(state.token_ids):
                 return None  # a prefill chunk
             assert count <= q, f"{len(d)} drafts, more than num_speculative_tokens={q - 1}"
-            tokens[i, q - count] = state.token_ids[start]
-            tokens[i, q - count + 1 :] = d
-        seq_lens = np.asarray(starts, dtype=np.int64) + np.asarray(counts, dtype=np.int64)
+            if count < q:
+                ids.extend([PAD_TOKEN] * (q - count))
+            ids.append(state.token_ids[start])
+            ids.extend(d)
+        flat = np.array(ids, dtype=np.int64)
+        seq_lens = np.array([s + c for s, c in zip(starts, counts)], dtype=np.int64)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
         table_rows = runner.block_table_cpu[rows, : cdiv(int(seq_lens.max()), runner.block_size)]
-        flat = tokens.reshape(-1)
         deferred = np.flatnonzero(flat == DEFERRED)
         gather = None
         if len(deferred):  # the graph takes these from the store, by the sources staged with them
@@ -421,16 +423,19 @@ class SpecDecodeRunner:
         """The step's forward pass as the proposer sees it; its device tensors only for a
         proposer that reads them (a graph replay's inputs live in the graph's staging, so
         they are uploaded again)."""
-        states, rows, num_sampled, n = finished.requests, finished.rows, finished.num_sampled, finished.num_reqs
-        first = np.array(first_token_index(step, counts_np.tolist()), dtype=np.int64)
-        # The last verified position: before the rejected drafts (accepted: num_sampled - 1).
-        last_index = np.where(
-            num_sampled > 0, first + counts_np - 1 - finished.num_drafts + num_sampled - 1, first + counts_np - 1
-        )
-        next_tokens = np.fromiter(
-            (o[-1] if o else s.token_ids[c + cnt] for o, s, c, cnt in zip(out_ids, states, starts_np.tolist(), counts_np.tolist())),
-            dtype=np.int64, count=n,
-        )
+        states, rows, n = finished.requests, finished.rows, finished.num_reqs
+        starts, counts = starts_np.tolist(), counts_np.tolist()
+        # Per request (plain lists: a few requests' worth of numpy calls cost more): the last
+        # verified token's row, before the rejected drafts (accepted: sampled - 1), its
+        # position, and the token after it.
+        last_index, last_position, next_tokens = [], [], []
+        for first, start, count, drafted, o, state in zip(
+            first_token_index(step, counts), starts, counts, finished.num_drafts.tolist(), out_ids, states
+        ):
+            last = first + count - 1 - (drafted - len(o) + 1 if o else 0)
+            last_index.append(last)
+            last_position.append(start + last - first)
+            next_tokens.append(o[-1] if o else state.token_ids[start + count])
         # The requests' block-table rows: the runner's, or those kept at launch.
         table, table_rows = runner.block_table_cpu, rows
         if isinstance(step, StepInputs) and step.block_table_rows is not None:
@@ -441,7 +446,7 @@ class SpecDecodeRunner:
         elif step.input_ids is not None:
             input_ids, positions, common = step.input_ids, step.positions, step.common
         else:
-            input_ids = to_device([s.token_ids[c] for s, c in zip(states, starts_np.tolist())], torch.long, runner.device)
+            input_ids = to_device([s.token_ids[c] for s, c in zip(states, starts)], torch.long, runner.device)
             positions = torch.from_numpy(starts_np).to(runner.device, non_blocking=True)
             common = decode_attention_metadata(table, table_rows, starts_np, runner.block_size, runner.device)
         return TargetPass(
@@ -449,9 +454,9 @@ class SpecDecodeRunner:
             positions=positions,
             hidden_states=hidden,
             common=common,
-            last_token_index=last_index,
-            last_token_position=starts_np + last_index - first,
-            next_token_ids=next_tokens,
+            last_token_index=np.array(last_index, dtype=np.int64),
+            last_token_position=np.array(last_position, dtype=np.int64),
+            next_token_ids=np.array(next_tokens, dtype=np.int64),
             block_table_cpu=table,
             rows=table_rows,
             block_size=runner.block_size,

@@ -4,7 +4,6 @@ three so that none of them imports another to get at it."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,16 +54,26 @@ class StepInputs:
     block_table_rows: np.ndarray | None = None
 
 
-@contextmanager
-def host_sync_point():
+class host_sync_point:
     """Marks the step's deliberate device-to-host reads. GPU tests decode under
-    ``torch.cuda.set_sync_debug_mode("error")`` to prove that nothing else synchronises."""
-    mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
-    if not mode:
-        yield
-        return
-    torch.cuda.set_sync_debug_mode(0)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(mode)
+    ``torch.cuda.set_sync_debug_mode("error")`` to prove that nothing else synchronises.
+    A class, not a generator context manager: entered a few times every step, where a
+    generator's frames cost more than the check itself."""
+
+    __slots__ = ("mode",)
+
+    # Whether this process sees a GPU (the sync debug mode exists only then): asked at the
+    # first use, as before, then kept.
+    cuda: bool | None = None
+
+    def __enter__(self) -> None:
+        cuda = host_sync_point.cuda
+        if cuda is None:
+            cuda = host_sync_point.cuda = torch.cuda.is_available()
+        self.mode = torch.cuda.get_sync_debug_mode() if cuda else 0
+        if self.mode:
+            torch.cuda.set_sync_debug_mode(0)
+
+    def __exit__(self, *exc) -> None:
+        if self.mode:
+            torch.cuda.set_sync_debug_mode(self.mode)

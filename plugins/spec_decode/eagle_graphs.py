@@ -199,10 +199,12 @@ class EagleDraftGraphs:
         for field in range(5):
             at = field * r
             host[at : at + n] = fields.get(field, 0)
-            host[at + n : at + size] = 0
-        if self.query_len is not None:  # a padding request's last index: its own last row
-            at = _LAST_INDEX * r
-            host[at + n : at + size] = np.arange(n, size) * self.query_len + self.query_len - 1
+        if size > n:  # the padding requests
+            for field in range(5):
+                host[field * r + n : field * r + size] = 0
+            if self.query_len is not None:  # a padding request's last index: its own last row
+                at = _LAST_INDEX * r
+                host[at + n : at + size] = np.arange(n, size) * self.query_len + self.query_len - 1
         end = self._rows_at + n * cols
         host[self._rows_at : end] = block_rows.reshape(-1)
         self.staging_dev[:end].copy_(self.staging[:end], non_blocking=True)
