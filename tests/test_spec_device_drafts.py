@@ -166,6 +166,52 @@ def test_the_store_fills_a_verification_graphs_inputs_on_the_device():
     assert store.resolve(_named(), [[DEFERRED] * 2, [1, 2]], np.array([2, 3])) == [[7, 8], [1, 2]]
 
 
+def test_a_greedy_verification_is_judged_in_the_graph_as_the_host_would():
+    """``CudaGraphRunner.verdict`` (the argmax and the matches, worked out in the graph) gives
+    each request the tokens the rejection sampler gives from the logits and the drafts read
+    back; a kept draft outside the vocabulary is reported naming the proposer."""
+    from pagelm.registry import PluginError
+    from pagelm.sample import RejectionSampler
+    from pagelm.worker.cuda_graphs import PAD_TOKEN, CudaGraphRunner
+    from pagelm.worker.input_buffers import InputBuffers
+
+    vocab, q = 50, 1 + K
+    store = DraftStore(max_rows=4, num_speculative_tokens=K, vocab_size=vocab, device=torch.device("cpu"))
+    store.keep(np.array([2, 0]), DeviceDrafts(torch.tensor([[7, 8, 9], [4, 0, 0]]), np.array([3, 1])))
+    buffers = InputBuffers(max_num_tokens=16, max_num_reqs=4, max_blocks_per_req=8, device=torch.device("cpu"))
+    graphs = CudaGraphRunner(model=None, buffers=buffers, builder=None, sizes=[1, 2, 4], max_seq_len=128,
+                             block_size=4, query_len=q, draft_source=(store.ids.view(-1), vocab))
+    spec = SpecDecodeRunner(_named(), K, max_model_len=128)
+    spec.store = store
+    # Rows 2 and 0 with 3 and 1 kept drafts, then a request with a host draft: padding in front.
+    drafts = [[DEFERRED] * 3, [DEFERRED], [33]]
+    host_drafts = [[7, 8, 9], [4], [33]]
+    rows, counts, P = np.array([2, 0, 3]), [4, 2, 2], PAD_TOKEN
+    tokens = np.array([[11, P, P, P], [P, P, 13, P], [P, P, 14, 33]]).reshape(-1)
+    at, sources = np.array([1, 2, 3, q + 3]), store.sources(rows, np.array([3, 1, 0]))
+    block_rows = np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype=np.int32)
+    assert graphs.load(tokens, np.array([10, 10, 10]), block_rows, size=4, drafts=(at, sources))
+    graphs._derive_inputs(4)
+    # The target's argmax row by row: 7, 8 accepted and 5 in place of 9; 4 accepted, then 11;
+    # 12 in place of 33. Random logits elsewhere.
+    logits = torch.randn(4 * q, vocab, generator=torch.Generator().manual_seed(0))
+    for row, token in ((0, 7), (1, 8), (2, 5), (q + 2, 4), (q + 3, 11), (2 * q + 2, 12)):
+        logits[row, token] = 100.0
+    graphs._judge(3 * q, logits[: 3 * q])
+    judged = spec._judged(graphs.verdict(3 * q), q, counts, [3, 1, 1], drafts, rows)
+    real_rows = [0, 1, 2, 3, q + 2, q + 3, 2 * q + 2, 2 * q + 3]
+    assert judged == RejectionSampler().verify_argmax(logits[real_rows], host_drafts).token_ids
+    assert judged == [[7, 8, 5], [4, 11], [12]]
+    # A kept draft outside the vocabulary: the graph clamps it, the host names the proposer.
+    store.keep(np.array([0]), DeviceDrafts(torch.tensor([[60, 0, 0]]), np.array([1])))
+    assert graphs.load(tokens, np.array([10, 10, 10]), block_rows, size=4, drafts=(at, sources))
+    graphs._derive_inputs(4)
+    graphs._judge(3 * q, logits[: 3 * q])
+    assert graphs.verdict(3 * q)[2].tolist() == [0] * (q + 3) + [1] + [0] * q
+    with pytest.raises(PluginError, match=r"proposer 'p' .* outside the vocabulary \[0, 50\)"):
+        spec._judged(graphs.verdict(3 * q), q, counts, [3, 1, 1], drafts, rows)
+
+
 def _named():
     class P:
         name = "p"

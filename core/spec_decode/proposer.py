@@ -377,8 +377,8 @@ def checked_device_drafts(proposer: Proposer, drafts: DeviceDrafts, n: int, devi
         problem = f"token_ids must hold integers, got {ids.dtype}"
     elif ids.device.type != device.type:
         problem = f"token_ids must be on {device}, got {ids.device}"
-    elif counts.shape != (n,) or counts.dtype.kind not in "iu" or (n and (counts.min() < 0 or counts.max() > ids.shape[1])):
+    elif counts.shape != (n,) or counts.dtype.kind not in "iu" or (n and not 0 <= min(c := counts.tolist()) <= max(c) <= ids.shape[1]):
         problem = f"num_drafts must be [{n}] ints within [0, {ids.shape[1]}], got {counts!r:.120}"
     if problem is not None:
         raise PluginError(f"{proposer_name(proposer)}: propose() returned DeviceDrafts whose {problem}")
-    return DeviceDrafts(ids, counts.astype(np.int64))
+    return drafts if counts is drafts.num_drafts and counts.dtype == np.int64 else DeviceDrafts(ids, counts.astype(np.int64))

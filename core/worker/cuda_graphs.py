@@ -41,6 +41,12 @@ drafts never reach the host before the step::
 
     pinned staging (int64):  | input_ids [R x q] | seq_lens [R] | draft sources [R x q] | block rows [n x cols] |
 
+A verification graph also judges greedy requests (``verdict``): after the LM head it writes
+each row's argmax and whether that equals the next row's input token (a draft), and where a
+gathered draft lay outside the vocabulary. A step whose requests all take the argmax of raw
+logits reads that ``[3, n * q]`` tensor alone: no logits rows, no drafts on the host. The
+argmax costs one read of the step's logits also in steps that sample instead.
+
 The attention backend's ``build_for_cudagraph`` makes its host-side choices from the batch
 size (and ``q``) alone; ``prepare_cudagraph_replay`` (optional) lets it refresh its own
 buffers per step.
@@ -150,6 +156,10 @@ class CudaGraphRunner:
             self.intermediate = model.make_empty_intermediate_tensors(r * q, stage.dtype, device)
             for t in self.intermediate.values():
                 t.zero_()  # the padding rows are read (and ignored): finite values
+        # Verification graphs (q > 1, the whole model here): the step's greedy verdict, worked
+        # out in the graph so that a step of greedy requests reads one small tensor and never
+        # its drafts (``verdict``).
+        self._verdict = torch.zeros((3, r * q), dtype=torch.int64, device=device) if q > 1 and stage is None else None
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.num_replays = 0
@@ -242,7 +252,24 @@ class CudaGraphRunner:
         self.num_replays += 1
         return self.outputs[key]
 
+    def verdict(self, num_tokens: int) -> torch.Tensor | None:
+        """After a verification replay, ``[3, num_tokens]``: per row ``j`` of the step, the
+        argmax of its logits; whether that equals the input token at ``j + 1`` (row ``j``'s
+        draft, when the next row is the same request's); and whether the draft gathered into
+        row ``j`` from ``draft_source`` lay outside the vocabulary (it was clamped). A greedy
+        request with ``d`` drafts from row ``f`` accepts the leading run of matches in rows
+        ``f .. f + d - 1``, then emits the argmax of the row after it. None: no verdict (a
+        one-token graph, or a pipeline stage)."""
+        return None if self._verdict is None else self._verdict[:, :num_tokens]
+
     # ---- capture -------------------------------------------------------------------------
+    def _judge(self, num_tokens: int, logits: torch.Tensor) -> None:
+        """In-graph, after the LM head: rows 0 and 1 of ``verdict``."""
+        verdict = self._verdict
+        best = logits.argmax(dim=-1)
+        verdict[0, :num_tokens].copy_(best)
+        verdict[1, : num_tokens - 1].copy_(best[:-1] == self.input_ids[1:num_tokens])
+
     def _derive_inputs(self, size: int, use_triton: bool | None = None) -> None:
         """In-graph: the step's inputs that follow from (tokens, seq_len, block table). One
         fused kernel on CUDA (``derive_step_inputs``), the same math in torch ops elsewhere."""
@@ -279,7 +306,10 @@ class CudaGraphRunner:
         source, vocab_size = self.draft_source
         at = self._sources_at
         sources = self.staging_dev[at : at + num_tokens]
-        drafts = source[sources.clamp(min=0)].clamp_(0, vocab_size - 1)
+        drafts = source[sources.clamp(min=0)]
+        if self._verdict is not None:  # row 2 of the verdict: the host names the proposer
+            self._verdict[2, :num_tokens].copy_((sources >= 0) & ((drafts < 0) | (drafts >= vocab_size)))
+        drafts.clamp_(0, vocab_size - 1)
         staged = self.staging_dev[:num_tokens]
         staged.copy_(torch.where(sources >= 0, drafts, staged))
 
@@ -306,7 +336,10 @@ class CudaGraphRunner:
                 hidden = self.model(self.input_ids[:num_tokens], self.rope_positions[:num_tokens], inputs)
                 if not self.stage.is_last:
                     return hidden, None
-        return hidden, self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        if self._verdict is not None:
+            self._judge(num_tokens, logits)
+        return hidden, logits
 
     @torch.inference_mode()
     def capture(self, pool: tuple[int, int] | None = None) -> tuple[int, int]:

@@ -6,12 +6,15 @@ The engine's scheduler sees ``DEFERRED`` in place of each draft: it counts draft
 them to what fits, never reads them. The store keeps each request's drafts on its block-table
 row, and the next verification takes them from there::
 
-    proposal t    ids[row, :w] = drafts            (device copy, then a copy to pinned host)
+    proposal t    ids[row, :w] = drafts            (a device copy)
     verify t+1    graph input_ids <- ids[row, :c]   (in the graph, from staged indices into ids,
                                                      clamped into the vocabulary:
                                                      ``CudaGraphRunner.draft_source``)
-                  host values   <- the pinned copy  (waited for with the verification: the
-                                                     rejection sampler compares them)
+                  greedy requests only: judged in the graph (``CudaGraphRunner.verdict``);
+                  the host reads the argmax and the matches, never the drafts
+                  otherwise: host values <- a copy to pinned memory (``resolve``, with the
+                                                     verification: the rejection sampler
+                                                     compares them)
 
 A row is rewritten only by a proposal for the request on it, so a request not scheduled in
 the step after its proposal still finds its drafts there later.
@@ -35,41 +38,47 @@ class DraftStore:
         self.ids = torch.zeros((max_rows, num_speculative_tokens), dtype=torch.long, device=device)
         cuda = device.type == "cuda"
         self.host = torch.zeros((max_rows, num_speculative_tokens), dtype=torch.long, pin_memory=cuda) if cuda else self.ids
-        self.copied = torch.cuda.Event() if cuda else None  # the host copy of the latest proposal
+        self.copied = torch.cuda.Event() if cuda else None  # the host copy, made by resolve
         self.stream = torch.cuda.current_stream(device) if cuda else None  # held: see ModelRunner.stream
 
     def keep(self, rows: np.ndarray, drafts: DeviceDrafts) -> list[list[int]]:
         """Keep ``drafts`` (one row per request, on block-table ``rows``); the scheduler's
         placeholders for them."""
-        counts = drafts.num_drafts
-        width = int(counts.max()) if len(counts) else 0
+        counts = drafts.num_drafts.tolist()
+        width = max(counts, default=0)
         if width == 0:
             return [[] for _ in range(len(counts))]
-        first, n = int(rows[0]), len(rows)
-        if n == 1 or rows.tolist() == list(range(first, first + n)):  # one slice: no index to upload
+        n = len(counts)
+        row_list = rows.tolist()
+        first = row_list[0]
+        if n == 1 or row_list == list(range(first, first + n)):  # one slice: no index to upload
             self.ids[first : first + n, :width].copy_(drafts.token_ids[:, :width])
         else:
             rows_t = torch.from_numpy(rows).to(self.device, non_blocking=True)
             self.ids[rows_t, :width] = drafts.token_ids[:, :width].to(torch.long)
-        if self.copied is not None:
-            self.host.copy_(self.ids, non_blocking=True)
-            self.copied.record(self.stream)
-        return [[DEFERRED] * c for c in counts.tolist()]
+        return [[DEFERRED] * c for c in counts]
 
     @staticmethod
     def is_deferred(drafts) -> bool:
         return any(len(d) and d[0] == DEFERRED for d in drafts)
 
-    def sources(self, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """Flat indices into ``ids`` of the drafts of requests on ``rows``, ``counts[i]`` each,
-        in request order."""
+    def sources_of(self, row: int, count: int) -> range:
+        """Flat indices into ``ids`` of the first ``count`` drafts kept on ``row``."""
         k = self.ids.shape[1]
-        return np.repeat(rows * k, counts) + _ranges(counts)
+        return range(row * k, row * k + count)
+
+    def sources(self, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """``sources_of`` the requests on ``rows``, ``counts[i]`` each, in request order."""
+        return np.array(
+            [i for row, count in zip(rows.tolist(), counts.tolist()) for i in self.sources_of(row, count)], dtype=np.int64
+        )
 
     def resolve(self, proposer: Proposer, drafts, rows: np.ndarray) -> list[list[int]]:
         """``drafts`` with every ``DEFERRED`` list replaced by its values (waits for the
         copy of the proposal to the host), checked against the vocabulary."""
-        if self.copied is not None:
+        if self.copied is not None:  # copied now, when a step wants them: a greedy graph step never does
+            self.host.copy_(self.ids, non_blocking=True)
+            self.copied.record(self.stream)
             self.copied.synchronize()
         kept = self.host.numpy()[rows]
         if len(kept) and (kept.min() < 0 or kept.max() >= self.vocab_size):  # rare: name the culprit
@@ -80,9 +89,3 @@ class DraftStore:
 def _values(drafts, kept_row) -> list:
     """A request's drafts: its kept row's first ``len(drafts)`` when they are ``DEFERRED``."""
     return list(kept_row[: len(drafts)]) if len(drafts) and drafts[0] == DEFERRED else list(drafts)
-
-
-def _ranges(counts: np.ndarray) -> np.ndarray:
-    """``[0..counts[0]), [0..counts[1]), ...`` concatenated."""
-    ends = np.cumsum(counts)
-    return np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - counts, counts)

@@ -200,28 +200,35 @@ class SpecDecodeRunner:
         if size is None:
             return None
         n, q = len(states), graphs.query_len
-        ids: list[int] = []  # q per request, padding in front (a list: numpy item writes cost more)
-        for state, start, count, d in zip(states, starts, counts, drafts):
+        k = q - 1
+        # Plain lists, one pass: numpy item writes and small-array calls cost more here.
+        ids: list[int] = []  # q per request, padding in front
+        at: list[int] = []  # flat positions of drafts kept on the device (staged as padding)
+        sources: list[int] = []  # and where each sits in the store (``DraftStore.ids``, flat)
+        rows: list[int] = []
+        for i, (state, start, count, d) in enumerate(zip(states, starts, counts, drafts)):
             if count != 1 + len(d) or start + 1 != len(state.token_ids):
                 return None  # a prefill chunk
-            assert count <= q, f"{len(d)} drafts, more than num_speculative_tokens={q - 1}"
+            assert count <= q, f"{len(d)} drafts, more than num_speculative_tokens={k}"
             if count < q:
                 ids.extend([PAD_TOKEN] * (q - count))
             ids.append(state.token_ids[start])
-            ids.extend(d)
-        flat = np.array(ids, dtype=np.int64)
+            rows.append(state.row)
+            if len(d) and d[0] == DEFERRED:  # the graph takes these from the store
+                first = i * q + q - count + 1
+                at.extend(range(first, first + len(d)))
+                sources.extend(self.store.sources_of(state.row, len(d)))
+                ids.extend([PAD_TOKEN] * len(d))
+            else:
+                ids.extend(d)
         seq_lens = np.array([s + c for s, c in zip(starts, counts)], dtype=np.int64)
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
         table_rows = runner.block_table_cpu[rows, : cdiv(int(seq_lens.max()), runner.block_size)]
-        deferred = np.flatnonzero(flat == DEFERRED)
         gather = None
-        if len(deferred):  # the graph takes these from the store, by the sources staged with them
+        if at:
             if graphs.draft_source is None:
                 return None
-            flat[deferred] = PAD_TOKEN
-            counts_kept = np.fromiter((len(d) if len(d) and d[0] == DEFERRED else 0 for d in drafts), dtype=np.int64, count=n)
-            gather = (deferred, self.store.sources(rows, counts_kept))
-        if not graphs.load(flat, seq_lens, table_rows, size, drafts=gather):
+            gather = (np.array(at, dtype=np.int64), np.array(sources, dtype=np.int64))
+        if not graphs.load(ids, seq_lens, table_rows, size, drafts=gather):
             return None
         common = graphs.common_metadata(n, torch.from_numpy(seq_lens.astype(np.int32)))
         common.block_table_cpu = torch.from_numpy(table_rows)
@@ -246,13 +253,17 @@ class SpecDecodeRunner:
         md = None  # every row an argmax of the raw logits: none needed
         if runner.pipeline is not None or sched.structured_output_request_ids or not all(s.argmax_only for s in states):
             md = self._sampling_metadata(runner, states, drafts)
-        # Every row of the step's output, in order (each request verifies k drafts, no
-        # padding): taken as it is, with no index to upload.
-        every_row = logits_rows[-1] == len(logits_rows) - 1
+        # A greedy step replayed as a graph was judged in it (``CudaGraphRunner.verdict``): the
+        # host reads the argmax and the matches, not the logits and not the drafts.
+        verdict = self.graphs.verdict(step.num_tokens) if md is None and graph_out is not None else None
         if graph_out is not None:
             hidden, logits = graph_out
             hidden = hidden[: step.num_tokens]
-            logits = logits[: len(logits_rows)] if every_row else logits[to_device(logits_rows, torch.long, runner.device)]
+            # Every row of the step's output, in order (each request verifies k drafts, no
+            # padding): taken as it is, with no index to upload.
+            every_row = logits_rows[-1] == len(logits_rows) - 1
+            if verdict is None:
+                logits = logits[: len(logits_rows)] if every_row else logits[to_device(logits_rows, torch.long, runner.device)]
         else:
             index = to_device(logits_rows, torch.long, runner.device)
             logits, hidden = runner.compute_logits(step, return_hidden=True, logits_indices=index)
@@ -261,20 +272,25 @@ class SpecDecodeRunner:
             # prefix of its drafts. The rejection sampler then verifies against masked logits.
             runner.apply_grammar(logits, sched, req_ids, rows_of=row_start)
         with host_sync_point():  # the verified tokens (and logprobs) come to the host
-            if deferred:  # the drafting ran before this step on the device: its drafts are in
-                drafts = self.store.resolve(self.proposer, drafts, req_rows)
-            if runner.pipeline is None:
-                draft_lists = [list(d) for d in drafts]
-                if md is None:
-                    verified = self.rejection_sampler.verify_argmax(logits, draft_lists)
-                else:
-                    verified = self.rejection_sampler(logits, md, draft_lists, runner.generator)
-                token_ids, logprobs_t = verified.token_ids, verified.logprobs
+            if verdict is not None:
+                token_ids = self._judged(verdict, step.query_len, counts, num_drafts, drafts if deferred else None, req_rows)
+                logprobs_t = None
                 prompt_logprobs = runner.prompt_logprobs(states, starts, counts, hidden, firsts)
             else:
-                token_ids, logprobs_t, prompt_logprobs = self._verify_pipelined(
-                    runner, logits, md, drafts, states, starts, counts, hidden, firsts
-                )
+                if deferred:  # the drafting ran before this step on the device: its drafts are in
+                    drafts = self.store.resolve(self.proposer, drafts, req_rows)
+                if runner.pipeline is None:
+                    draft_lists = [list(d) for d in drafts]
+                    if md is None:
+                        verified = self.rejection_sampler.verify_argmax(logits, draft_lists)
+                    else:
+                        verified = self.rejection_sampler(logits, md, draft_lists, runner.generator)
+                    token_ids, logprobs_t = verified.token_ids, verified.logprobs
+                    prompt_logprobs = runner.prompt_logprobs(states, starts, counts, hidden, firsts)
+                else:
+                    token_ids, logprobs_t, prompt_logprobs = self._verify_pipelined(
+                        runner, logits, md, drafts, states, starts, counts, hidden, firsts
+                    )
             logprobs = _split_logprobs(logprobs_t, states, row_start, token_ids, runner.vocab_size)
 
         out_ids: list[list[int]] = []
@@ -287,9 +303,7 @@ class SpecDecodeRunner:
                 out_ids.append([])
         logprobs = [lp if tokens else None for lp, tokens in zip(logprobs, out_ids)]
         out = ModelRunnerOutput(req_ids, out_ids, logprobs, prompt_logprobs)
-        out.draft_token_ids = self.propose(
-            runner, step, hidden, states, starts, counts, np.array(num_drafts, dtype=np.int64), out_ids
-        )
+        out.draft_token_ids = self.propose(runner, step, hidden, states, starts, counts, num_drafts, out_ids)
         return out
 
     @staticmethod
@@ -308,6 +322,23 @@ class SpecDecodeRunner:
             for j in range(len(d) + 1)
         ]
         return build_sampling_metadata(rows, runner.eos_token_ids, runner.vocab_size, runner.device)
+
+    def _judged(self, verdict, q: int, counts, num_drafts, kept_drafts, req_rows) -> list[list[int]]:
+        """Each request's tokens from a verification graph's ``verdict`` (one host read): its
+        leading drafts that equal the target's argmax, then the argmax after them. A draft
+        gathered from the store out of the vocabulary (``kept_drafts``: the step's drafts, when
+        some were kept on the device) is reported as the host check would, naming the proposer."""
+        best, match, out_of_vocab = verdict.tolist()
+        if kept_drafts is not None and any(out_of_vocab):
+            self.store.resolve(self.proposer, kept_drafts, req_rows)  # raises: it names the proposer
+        tokens = []
+        for i, (count, d) in enumerate(zip(counts, num_drafts)):
+            row = i * q + q - count  # the request's first row (padding in front)
+            a = 0
+            while a < d and match[row + a]:
+                a += 1
+            tokens.append(best[row : row + a + 1])
+        return tokens
 
     def _verify_pipelined(self, runner, logits, md, drafts, states, starts, counts, hidden, first):
         """Pipeline parallelism: the last stage (``logits`` not None) verifies; its tokens
@@ -338,18 +369,18 @@ class SpecDecodeRunner:
         if self.proposer is None:  # a stage before the last: rank 0 receives the last stage's
             return runner.pipeline.share_drafts(None, n, self.num_speculative_tokens)
         assert not (ahead and self.proposer.needs_every_step), f"proposer {self.proposer.name!r} ran behind a launched step"
-        counts_np, starts_np = np.asarray(counts, dtype=np.int64), np.asarray(starts, dtype=np.int64)
-        num_drafts = np.zeros(n, dtype=np.int64) if num_drafts is None else num_drafts
-        num_sampled = np.fromiter((len(o) for o in out_ids), dtype=np.int64, count=n)
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=n)
+        counts_np, starts_np = np.array(counts, dtype=np.int64), np.array(starts, dtype=np.int64)
+        drafted = [0] * n if num_drafts is None else num_drafts
+        sampled = [len(o) for o in out_ids]
+        rows = np.array([s.row for s in states], dtype=np.int64)
         finished = FinishedStep(
             requests=states,
             rows=rows,
-            num_drafts=num_drafts,
-            num_sampled=num_sampled,
+            num_drafts=np.array(drafted, dtype=np.int64),
+            num_sampled=np.array(sampled, dtype=np.int64),
             # Known tokens after this step (a step launched since then has left a placeholder
             # past them): the step's end, less rejected drafts, plus what it emitted.
-            num_tokens=starts_np + counts_np - num_drafts + num_sampled,
+            num_tokens=np.array([s + c - d + m for s, c, d, m in zip(starts, counts, drafted, sampled)], dtype=np.int64),
             max_model_len=self.max_model_len,
             ahead=ahead,
         )
@@ -377,7 +408,11 @@ class SpecDecodeRunner:
         one GPU drafts them (other ranks would verify drafts of their own)."""
         if runner.pipeline is not None or runner.config.world_size != 1 or self.drafts_from_last_stage:
             return False
-        return not any(s.sampling_params.guided_decoding is not None or _reads_history(s.sampling_params) for s in states)
+        for s in states:
+            p = s.sampling_params
+            if p.guided_decoding is not None or (not s.argmax_only and _reads_history(p)):
+                return False
+        return True
 
     @property
     def keeps_steps_in_flight(self) -> bool:

@@ -206,12 +206,13 @@ class EagleProposer(DraftProposer):
     def _replay_proposal(self, batch: ProposalBatch, graphs: EagleDraftGraphs, size: int) -> list[list[int]]:
         """Every pass (or pass 1 alone) from the graph of ``size`` requests."""
         caps = batch.max_num_drafts
-        end = max(int(batch.common.seq_lens_cpu.max()), int(batch.last_token_position.max()) + self.num_speculative_tokens)
+        # Python's max over short lists: a numpy or torch reduction costs more at these sizes.
+        end = max(max(batch.common.seq_lens_cpu.tolist()), max(batch.last_token_position.tolist()) + self.num_speculative_tokens)
         table = batch.block_table_cpu
         block_rows = table[batch.rows, : min(-(-end // batch.block_size), table.shape[1])]
         graphs.load_step(batch, caps, block_rows, size)
         out = graphs.replay(size)
-        width = int(caps.max())
+        width = max(caps.tolist())
         if width == 0:  # pass 1 only (the head's KV): nothing to wait for
             return [[] for _ in range(batch.num_reqs)]
         return DeviceDrafts(out[: batch.num_reqs, :width], caps)
