@@ -581,13 +581,20 @@ class Scheduler:
         raise ValueError("update_from_output: this SchedulerOutput was not scheduled here, or was already updated")
 
     def _append_output_tokens(self, req: Request, new_ids: list[int]) -> list[int]:
-        """Append the step's tokens one at a time, so an EOS, a stop token or ``max_tokens``
-        inside an accepted run of drafts ends the request right there. Returns those kept."""
+        """Append the step's tokens, so that an EOS, a stop token or ``max_tokens`` inside an
+        accepted run of drafts ends the request right there. Returns those kept. A run is
+        checked token by token first and appended once (one block-hash update per step)."""
+        num_outputs, num_tokens = req.num_output_tokens, req.num_tokens
         for n, token in enumerate(new_ids, start=1):
-            req.append_output_token_ids([token])
-            self._check_stop(req)
-            if req.is_finished:
-                return new_ids[:n]
+            stop = self._stop(req, token, num_outputs + n, num_tokens + n)
+            if stop is not None:
+                new_ids = new_ids[:n]
+                req.append_output_token_ids(new_ids)
+                req.status, reason = stop
+                if reason is not None:
+                    req.stop_reason = reason
+                return new_ids
+        req.append_output_token_ids(new_ids)
         return new_ids
 
     def _room_for_drafts(self, req: Request, drafts: list[int]) -> list[int]:
@@ -628,21 +635,18 @@ class Scheduler:
         elif new_ids[-1] in req.eos_token_ids:
             req.status = RequestStatus.FINISHED_STOPPED
 
-    def _check_stop(self, req: Request) -> None:
-        token = req.output_token_ids[-1]
+    def _stop(self, req: Request, token: int, num_outputs: int, num_tokens: int):
+        """Whether ``req`` ends once ``token`` is its ``num_outputs``-th output (``num_tokens``
+        in all): ``(status, stop_reason)``, or None."""
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        if num_outputs >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                return
+                return RequestStatus.FINISHED_STOPPED, None
             if token in params.all_stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token
-                return
-        if (req.max_tokens is not None and req.num_output_tokens >= req.max_tokens) or (
-            req.num_tokens >= self.max_model_len
-        ):
-            req.status = RequestStatus.FINISHED_LENGTH
+                return RequestStatus.FINISHED_STOPPED, token
+        if (req.max_tokens is not None and num_outputs >= req.max_tokens) or num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None
 
 
 @dataclass(slots=True)
