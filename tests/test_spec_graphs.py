@@ -250,6 +250,38 @@ def test_ngram_greedy_tokens_are_unchanged_by_verification_graphs(make_model, tr
     assert llm.engine.core.scheduler.spec_decoding_stats.num_accepted_tokens > 0
 
 
+def test_greedy_steps_are_judged_in_the_graph_and_processed_ones_sampled_with_the_same_tokens(
+    make_model, triton_on_cpu, eager_graphs, monkeypatch
+):
+    """A verification graph step whose requests all take the argmax of raw logits is judged
+    by the graph's verdict (``SpecDecodeRunner._judged``); one with a request whose logits
+    are processed (a penalty, a logit bias with min_tokens) goes through the rejection
+    sampler. The shorter requests carry the processing, so one run takes both paths; its
+    tokens are those of decoding without speculation."""
+    from pagelm.sample import RejectionSampler
+    from pagelm.worker.spec_decode import SpecDecodeRunner
+
+    model = make_model("spec_llama", "llama")
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={5: 2.0}, min_tokens=2),
+    ]
+    plain = LLM(str(model), dtype="float32", block_size=8)
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    judged, sampled = [], []
+    judge, sample = SpecDecodeRunner._judged, RejectionSampler.__call__
+    monkeypatch.setattr(SpecDecodeRunner, "_judged", lambda self, *a: judged.append(1) or judge(self, *a))
+    monkeypatch.setattr(RejectionSampler, "__call__", lambda self, *a, **k: sampled.append(1) or sample(self, *a, **k))
+    llm = LLM(str(model), dtype="float32", block_size=8, attention_backend="triton", max_num_seqs=8,
+              max_num_batched_tokens=32, speculative_config=NGRAM)
+    llm.engine.core.runner.capture_cuda_graphs()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
+    assert judged and sampled
+    assert llm.engine.core.scheduler.spec_decoding_stats.num_accepted_tokens > 0
+
+
 def test_eagle_drafts_the_same_from_a_verification_graph_step(make_model, tmp_path, triton_on_cpu, eager_graphs):
     """EAGLE reads the step's inputs, hidden states and layout: from a graph's padded rows
     it drafts exactly what it drafts from the eager step."""
