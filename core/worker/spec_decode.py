@@ -200,7 +200,6 @@ class SpecDecodeRunner:
         if size is None:
             return None
         n, q = len(states), graphs.query_len
-        k = q - 1
         # Plain lists, one pass: numpy item writes and small-array calls cost more here.
         ids: list[int] = []  # q per request, padding in front
         at: list[int] = []  # flat positions of drafts kept on the device (staged as padding)
@@ -209,7 +208,7 @@ class SpecDecodeRunner:
         for i, (state, start, count, d) in enumerate(zip(states, starts, counts, drafts)):
             if count != 1 + len(d) or start + 1 != len(state.token_ids):
                 return None  # a prefill chunk
-            assert count <= q, f"{len(d)} drafts, more than num_speculative_tokens={k}"
+            assert count <= q, f"{len(d)} drafts, more than num_speculative_tokens={q - 1}"
             if count < q:
                 ids.extend([PAD_TOKEN] * (q - count))
             ids.append(state.token_ids[start])
@@ -369,7 +368,6 @@ class SpecDecodeRunner:
         if self.proposer is None:  # a stage before the last: rank 0 receives the last stage's
             return runner.pipeline.share_drafts(None, n, self.num_speculative_tokens)
         assert not (ahead and self.proposer.needs_every_step), f"proposer {self.proposer.name!r} ran behind a launched step"
-        counts_np, starts_np = np.array(counts, dtype=np.int64), np.array(starts, dtype=np.int64)
         drafted = [0] * n if num_drafts is None else num_drafts
         sampled = [len(o) for o in out_ids]
         rows = np.array([s.row for s in states], dtype=np.int64)
@@ -385,7 +383,7 @@ class SpecDecodeRunner:
             ahead=ahead,
         )
         if not ahead or self.proposer.needs_ahead_target:
-            finished.make_target = lambda: self._target_pass(runner, step, hidden, finished, starts_np, counts_np, out_ids)
+            finished.make_target = lambda: self._target_pass(runner, step, hidden, finished, starts, counts, out_ids)
         with host_sync_point():  # a proposer that returns lists reads its drafts on the host
             drafts = self.proposer.propose_step(finished)
         if isinstance(drafts, DeviceDrafts):
@@ -454,12 +452,11 @@ class SpecDecodeRunner:
             block_table_rows=runner.block_table_cpu[rows],
         )
 
-    def _target_pass(self, runner, step, hidden, finished: FinishedStep, starts_np, counts_np, out_ids) -> TargetPass:
+    def _target_pass(self, runner, step, hidden, finished: FinishedStep, starts, counts, out_ids) -> TargetPass:
         """The step's forward pass as the proposer sees it; its device tensors only for a
         proposer that reads them (a graph replay's inputs live in the graph's staging, so
         they are uploaded again)."""
         states, rows, n = finished.requests, finished.rows, finished.num_reqs
-        starts, counts = starts_np.tolist(), counts_np.tolist()
         # Per request (plain lists: a few requests' worth of numpy calls cost more): the last
         # verified token's row, before the rejected drafts (accepted: sampled - 1), its
         # position, and the token after it.
@@ -482,6 +479,7 @@ class SpecDecodeRunner:
             input_ids, positions, common = step.input_ids, step.positions, step.common
         else:
             input_ids = to_device([s.token_ids[c] for s, c in zip(states, starts)], torch.long, runner.device)
+            starts_np = np.array(starts, dtype=np.int64)
             positions = torch.from_numpy(starts_np).to(runner.device, non_blocking=True)
             common = decode_attention_metadata(table, table_rows, starts_np, runner.block_size, runner.device)
         return TargetPass(
