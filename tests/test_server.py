@@ -628,15 +628,18 @@ def test_sigterm_drains_running_streams_then_ends_them_with_an_error_and_done(ll
     import threading
 
     proc, url = start_server(
-        str(llama_dir), "--served-model-name", MODEL, "--max-model-len", "512", "--num-kv-blocks", "2500",
+        str(llama_dir), "--served-model-name", MODEL, "--max-model-len", "512", "--num-kv-blocks", "9000", "--max-n", "256",
         "--shutdown-timeout", "1",
     )
     try:
         events = {}
 
-        def stream(name, max_tokens):  # 64 samples: seconds of work for the tiny model
+        # 256 samples of 480 tokens: several seconds of work for the tiny model, so that it is
+        # still streaming when the 1 s drain ends (64 samples had finished by then on CI's CPU
+        # machine).
+        def stream(name, max_tokens):
             body = {"model": MODEL, "prompt": "hi", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-                    "n": 64}
+                    "n": 256}
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
                 events[name] = [line for line in r.iter_lines() if line.startswith("data: ")]
 
