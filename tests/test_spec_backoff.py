@@ -131,6 +131,54 @@ def test_a_probe_that_hits_is_on_probation():
     assert run_schedule(backoff, [None, 0, 0, None, None, 1, 0, 0, None]) == [3, 3, 0, 0, 1, 3, 3, 0, 1]
 
 
+def test_a_probe_that_hits_then_misses_pauses_again_at_the_pause_it_had():
+    """One lucky probe costs one verification of k drafts: the next miss resumes the pause
+    the probe was at (8 steps here), not a second climb from 2."""
+    backoff = DraftBackoff(1, backoff_after=2, max_backoff_steps=128)
+    rows, granted = np.array([0]), []
+    for t in range(80):  # always rejected, except the probe drafted at step 16
+        if granted and granted[-1]:
+            backoff.observe(rows, np.array([granted[-1]]), np.array([int(t == 17)]))
+        granted.append(int(backoff.cap(rows, np.array([3]))[0]))
+    drafted = [(t, g) for t, g in enumerate(granted) if g]
+    assert drafted == [(0, 3), (1, 3), (4, 1), (8, 1), (16, 1), (17, 3), (24, 1), (32, 1), (64, 1)]
+    # Two hits in a row clear the memory: the next misses start from a pause of 2 again.
+    backoff.observe(rows, np.array([1]), np.array([1]))
+    backoff.observe(rows, np.array([3]), np.array([2]))
+    assert (backoff.misses[0], backoff.level[0]) == (0, 0)
+
+
+def test_while_the_drafter_does_not_pay_a_new_request_starts_backed_off_after_its_prompt():
+    backoff = DraftBackoff(4, backoff_after=2, max_backoff_steps=128)
+    rows = np.array([0, 1])
+    assert not backoff.in_slump()
+    backoff.observe(rows, np.array([3, 3]), np.array([0, 0]))  # too few verifications to judge by
+    backoff.end_step()
+    assert not backoff.in_slump()
+    for i in range(3):
+        backoff.observe(rows, np.array([3, 3]), np.array([0, int(i == 0)]))
+        backoff.end_step()
+    assert backoff.in_slump()  # 1 accepted over 8 verifications: below 0.25 a verification
+    backoff.reset(2)
+    assert backoff.cap(np.array([2]), np.array([0]))[0] == 0  # its prompt is not in yet
+    assert backoff.misses[2] == 0 and not backoff.deep(np.array([2]))
+    step, granted = backoff.step, []
+    for _ in range(80):  # every probe rejected
+        if granted and granted[-1]:
+            backoff.observe(np.array([2]), np.array([granted[-1]]), np.array([0]))
+        granted.append(int(backoff.cap(np.array([2]), np.array([3]))[0]))
+    assert backoff.num_slump_starts == 1 and backoff.deep(np.array([2]))
+    # Probes of one draft from the 16-step pause on: steps 16, 32, 64 (4 steps had passed).
+    probes = [step + t for t, g in enumerate(granted) if g]
+    assert probes == [16, 32, 64] and all(granted[p - step] == 1 for p in probes)
+    # A drafter that pays: a new request drafts k from its first step.
+    for _ in range(8):
+        backoff.observe(rows, np.array([3, 3]), np.array([2, 3]))
+        backoff.end_step()
+    backoff.reset(3)
+    assert not backoff.in_slump() and backoff.cap(np.array([3]), np.array([3]))[0] == 3
+
+
 # ---- through the engine ---------------------------------------------------------------------
 
 
@@ -325,6 +373,33 @@ def test_a_draft_model_stops_following_steps_where_everyone_is_deeply_backed_off
     assert calls[False] >= LONG.max_tokens - 2
 
 
+def test_requests_after_a_drafter_that_did_not_pay_start_backed_off(llama_dir, plain):
+    """The second batch of a proposer whose drafts were all rejected starts backed off: far
+    fewer verifications than the first, the same tokens; a draft model follows the steps
+    that complete its prompts (so that it has their KV), and no other until the probes."""
+    want, unused = plain
+    spec = {"method": NeverRightFollower.name, "num_speculative_tokens": 3, "token": unused}
+    with registered_proposer(NeverRightFollower):
+        llm = LLM(str(llama_dir), dtype="float32", block_size=8, speculative_config=spec)
+        proposer = llm.engine.core.runner.spec.proposer
+        calls = []
+        propose = proposer.propose
+        proposer.propose = lambda batch: calls.append(batch.max_num_drafts.tolist()) or propose(batch)
+        drafts, followed = [], []
+        for _ in range(2):
+            calls.clear()
+            outs = llm.generate(REPETITIVE, LONG, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == want
+            drafts.append(sum(o.metrics.spec_num_drafts for o in outs))
+            followed.append(list(calls))
+    assert proposer.backoff.num_slump_starts == len(REPETITIVE)
+    # First batch: two verifications of k drafts each, then probes after 2, 4, ... steps.
+    # Second: probes only, the first after 16 steps.
+    assert drafts[1] <= 0.5 * drafts[0], drafts
+    assert followed[1][0] == [0] * len(REPETITIVE)  # the prefill step, followed, nothing drafted
+    assert all(any(caps) for caps in followed[1][1:])  # then only the probes
+
+
 # ---- steps run ahead whose proposal is left out ----------------------------------------------
 
 
@@ -415,15 +490,21 @@ def test_caps_one_request_at_a_time_equal_the_numpy_caps(seed):
                               output_token_ids=[])
         for r in range(num_rows)
     ]
-    for _ in range(300):
+    top_level = 0
+    for it in range(300):
         picked = rng.choice(num_rows, size=int(rng.integers(1, num_rows + 1)), replace=False)
         reqs = [requests[r] for r in picked]
+        for r in picked[rng.random(len(picked)) < 0.05]:  # a new request takes the row
+            one.backoff.reset(int(r))
+            vec.backoff.reset(int(r))
         for r in reqs:
             r.output_token_ids = [0] * int(rng.integers(0, 60))
         n = len(reqs)
         num_drafts = np.where(rng.random(n) < 0.5, rng.integers(0, k + 1, n), 0)
         num_sampled = np.where(rng.random(n) < 0.1, 0, 1 + (rng.random(n) * (num_drafts + 1)).astype(np.int64))
         num_sampled = np.minimum(num_sampled, num_drafts + 1)
+        if 100 <= it < 200:  # a stretch where the drafter does not pay: new requests start backed off
+            num_sampled = np.minimum(num_sampled, np.where(rng.random(n) < 0.95, 1, 2))
         step = FinishedStep(
             requests=reqs, rows=picked.astype(np.int64), num_drafts=num_drafts, num_sampled=num_sampled,
             num_tokens=rng.integers(10, max_model_len, n), max_model_len=max_model_len, ahead=bool(rng.random() < 0.1),
@@ -434,8 +515,12 @@ def test_caps_one_request_at_a_time_equal_the_numpy_caps(seed):
         found = np.where(rng.random(n) < 0.8, got, 0)
         one.rows.proposed[picked] = vec.rows.proposed[picked] = found
         for a, b in ((one.backoff, vec.backoff), (one.rows, vec.rows)):
-            for name in ("misses", "resume_step", "gain", "proposed", "table_len"):
+            for name in ("misses", "resume_step", "gain", "level", "started", "proposed", "table_len"):
                 if hasattr(a, name):
                     assert np.array_equal(getattr(a, name), getattr(b, name)), name
         assert (one.backoff.step, one.backoff.num_skipped) == (vec.backoff.step, vec.backoff.num_skipped)
+        record = ("record_accepted", "record_verifications", "num_slump_starts")
+        assert [getattr(one.backoff, r) for r in record] == [getattr(vec.backoff, r) for r in record]
+        top_level = max(top_level, int(vec.backoff.level.max()))
     assert vec.backoff.num_skipped > 0 and (vec.backoff.misses >= 2).any() and (vec.backoff.gain > 0.3).any()
+    assert vec.backoff.num_slump_starts > 0 and top_level >= 3

@@ -104,8 +104,12 @@ class DraftProposer(Proposer):
         fresh = self.rows.claim(step.requests)
         if self.backoff is not None and fresh:
             self.backoff.reset(fresh)
+        slump_starts = self.backoff.num_slump_starts if self.backoff is not None else 0
         max_drafts = self._max_drafts_one_by_one(step) if n <= SCALAR_BATCH else self._max_drafts(step)
-        if not max_drafts.any() and not (self.needs_every_step or self._follows(rows)):
+        # A request that starts backed off (the drafter's record is poor) is followed for
+        # the step that completed its prompt, so that a draft model has the prompt's KV.
+        started = self.backoff is not None and self.backoff.num_slump_starts != slump_starts
+        if not max_drafts.any() and not (self.needs_every_step or started or self._follows(rows)):
             return [[] for _ in range(n)]
         target = step.target
         batch = ProposalBatch(
@@ -226,7 +230,7 @@ class DraftProposer(Proposer):
                 if drafted:
                     backoff.observe_row(row, drafted, max(sampled - 1, 0))
                 elif sampled > 0 and proposed[row] > 0:  # dropped before verification
-                    backoff.miss_row(row)
+                    backoff.empty_row(row)
                 m = backoff.cap_row(row, m)
             proposed[row] = 0
             if step.ahead:
