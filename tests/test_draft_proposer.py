@@ -29,8 +29,8 @@ class Recording(DraftProposer):
         return [[int(batch.token_ids[i, n - 1])] * self.num_speculative_tokens for i, n in enumerate(batch.num_tokens)]
 
 
-def make_proposer(**spec) -> Recording:
-    config = EngineConfig(model="(test)", max_num_seqs=4, speculative_config={"method": "recording", "num_speculative_tokens": 3, **spec})
+def make_proposer(max_num_seqs: int = 4, **spec) -> Recording:
+    config = EngineConfig(model="(test)", max_num_seqs=max_num_seqs, speculative_config={"method": "recording", "num_speculative_tokens": 3, **spec})
     return Recording(config, None, None, None)
 
 
@@ -104,6 +104,52 @@ def test_may_draft_is_false_only_before_steps_that_propose_nothing():
             assert drafts == [[]] and len(proposer.batches) == calls
     assert withheld > 15 and proposer.backoff.num_skipped >= withheld
     assert proposer.may_draft([request(1, [1, 2], [3])])  # a newcomer may draft
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_quiet_stretches_answer_as_the_full_checks_would(seed):
+    """``may_draft`` / ``skip_ahead`` / ``step_skipped`` remember a quiet stretch
+    (``_QuietBatch``); over random joins, leaves, hits and misses their answers and counts
+    equal those of the full checks made afresh."""
+    rng = np.random.default_rng(seed)
+    proposer = make_proposer(max_num_seqs=8, backoff_after=1, max_backoff_steps=16)
+    active, free, drafts, quiet_answers = [], list(range(8)), {}, 0
+    for _ in range(400):
+        if free and (not active or rng.random() < 0.05):  # a request joins
+            active.append(request(free.pop(), [1, 2, 3], [4]))
+        elif len(active) > 1 and rng.random() < 0.04:  # one leaves
+            gone = active.pop(int(rng.integers(len(active))))
+            free.append(gone.row)
+            drafts.pop(gone.row, None)
+        for gone in [r for r in active if len(r.token_ids) > MAX_MODEL_LEN - 8]:  # finished
+            active.remove(gone)
+            free.append(gone.row)
+            drafts.pop(gone.row, None)
+        may_draft = proposer.may_draft(active)
+        quiet_answers += proposer._quiet_draft is not None
+        proposer._quiet_draft = None
+        assert may_draft == proposer.may_draft(active)
+        for r in active:
+            r.token_ids.append(7)
+            r.output_token_ids.append(7)
+        if may_draft:
+            hits = [int(rng.random() < 0.05) for _ in active]  # drafts mostly rejected
+            num_drafts = [len(drafts.get(r.row, [])) for r in active]
+            out = proposer.propose_step(finished(active, [1 + min(h, d) for h, d in zip(hits, num_drafts)], num_drafts))
+            drafts = {r.row: d for r, d in zip(active, out)}
+            continue
+        skip = proposer.skip_ahead(active)
+        proposer._quiet_skip, cached = None, proposer._quiet_skip
+        assert skip == proposer.skip_ahead(active)
+        proposer._quiet_skip = cached
+        if skip:
+            backoff = proposer.backoff
+            want = backoff.num_skipped + sum(int(backoff.resume_step[r.row] > backoff.step) for r in active)
+            proposer.step_skipped(active)
+            assert backoff.num_skipped == want
+        else:
+            drafts = dict(zip((r.row for r in active), proposer.propose_step(finished(active, [1] * len(active), ahead=True))))
+    assert quiet_answers > 100  # the remembered answers were put to the test
 
 
 @pytest.mark.parametrize("bad", [None, [5], [[1], [2]]])

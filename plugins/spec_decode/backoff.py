@@ -209,6 +209,11 @@ class DraftBackoff:
             self.num_skipped += int(np.count_nonzero(self.resume_step[np.asarray(rows)] > self.step))
         self.end_step()
 
+    def skip_all(self, num_rows: int) -> None:
+        """``skip`` for ``num_rows`` rows all backed off past this step."""
+        self.num_skipped += num_rows
+        self.end_step()
+
     def cap(self, rows: np.ndarray, max_drafts: np.ndarray) -> np.ndarray:
         """``max_drafts`` (per request of the step, for the next one) with backed-off requests'
         set to 0, and a probe's to ``PROBE_DRAFTS``. The step's last call: it ends the step."""

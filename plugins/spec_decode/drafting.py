@@ -88,6 +88,11 @@ class DraftProposer(Proposer):
         spec = self.speculative
         self.rows = DraftRows(config.max_num_seqs)
         self.backoff = DraftBackoff(config.max_num_seqs, spec.backoff_after, spec.max_backoff_steps) if spec.adaptive else None
+        # What the last full checks of a quiet stretch found (``_QuietBatch``): ``may_draft``
+        # False for the runner's requests, ``skip_ahead`` True for a step's; ``propose_step``
+        # (the only thing that changes what they read) drops both.
+        self._quiet_draft: _QuietBatch | None = None
+        self._quiet_skip: _QuietBatch | None = None
 
     @abstractmethod
     def propose(self, batch: ProposalBatch) -> list[list[int]] | DeviceDrafts:
@@ -101,6 +106,7 @@ class DraftProposer(Proposer):
 
     def propose_step(self, step: FinishedStep) -> list[list[int]] | DeviceDrafts:
         rows, n = step.rows, step.num_reqs
+        self._quiet_draft = self._quiet_skip = None
         fresh = self.rows.claim(step.requests)
         if self.backoff is not None and fresh:
             self.backoff.reset(fresh)
@@ -146,13 +152,23 @@ class DraftProposer(Proposer):
         backoff = self.backoff
         if backoff is None:
             return bool(requests)
+        quiet = self._quiet_draft
+        if quiet is not None and backoff.step < quiet.until and quiet.holds(requests):
+            return False
+        self._quiet_draft = None
         if len(requests) <= SCALAR_BATCH:
             resume, step = backoff.resume_step, backoff.step
-            return any(resume[s.row] <= step or self.rows.is_new(s) for s in requests)
-        rows = np.fromiter((s.row for s in requests), dtype=np.int64, count=len(requests))
-        if (backoff.resume_step[rows] <= backoff.step).any():
-            return True
-        return any(self.rows.is_new(s) for s in requests)
+            until = [int(resume[s.row]) for s in requests]
+            if min(until, default=step + 1) <= step or any(self.rows.is_new(s) for s in requests):
+                return True
+        else:
+            rows = np.fromiter((s.row for s in requests), dtype=np.int64, count=len(requests))
+            until = backoff.resume_step[rows]
+            if (until <= backoff.step).any() or any(self.rows.is_new(s) for s in requests):
+                return True
+        if requests:  # nobody may draft before the earliest resume step, if nobody joins
+            self._quiet_draft = _QuietBatch(requests, int(min(until)))
+        return False
 
     def skip_ahead(self, requests: Sequence[RequestView]) -> bool:
         """The proposal of a step run ahead is left out (``step_skipped`` counts the step)
@@ -164,6 +180,9 @@ class DraftProposer(Proposer):
         backoff = self.backoff
         if backoff is None or self.needs_every_step or not requests:
             return False
+        quiet = self._quiet_skip
+        if quiet is not None and quiet.holds(requests):
+            return True
         if len(requests) <= SCALAR_BATCH:
             follows = self.needs_ahead_target
             if follows and not self.skips_deep_backoff:
@@ -173,14 +192,24 @@ class DraftProposer(Proposer):
                 row = s.row
                 if proposed[row] or (follows and misses[row] < after) or self.rows.is_new(s):
                     return False
-            return True
-        rows = np.fromiter((s.row for s in requests), dtype=np.int64, count=len(requests))
-        return not (self._follows(rows) or self.rows.proposed[rows].any() or any(self.rows.is_new(s) for s in requests))
+            until = min(int(backoff.resume_step[s.row]) for s in requests)
+        else:
+            rows = np.fromiter((s.row for s in requests), dtype=np.int64, count=len(requests))
+            if self._follows(rows) or self.rows.proposed[rows].any() or any(self.rows.is_new(s) for s in requests):
+                return False
+            until = int(backoff.resume_step[rows].min())
+        self._quiet_skip = _QuietBatch(requests, until)
+        return True
 
     def step_skipped(self, requests: Sequence[RequestView]) -> None:
         """Counted as ``propose_step`` counts a step whose requests all sampled and none may
-        draft (``DraftBackoff.skip``)."""
-        self.backoff.skip([s.row for s in requests], one_by_one=len(requests) <= SCALAR_BATCH)
+        draft (``DraftBackoff.skip``): before the earliest resume step of the requests that
+        ``skip_ahead`` last checked, every one of them is a backed-off request-step."""
+        quiet, backoff = self._quiet_skip, self.backoff
+        if quiet is not None and backoff.step < quiet.until and quiet.holds(requests):
+            backoff.skip_all(len(requests))
+            return
+        backoff.skip([s.row for s in requests], one_by_one=len(requests) <= SCALAR_BATCH)
 
     def _follows(self, rows: np.ndarray) -> bool:
         """Whether a step in which nobody drafts still goes to ``propose`` (a draft model
@@ -251,6 +280,27 @@ class DraftProposer(Proposer):
         if max_tokens is not None:
             room = min(room, max_tokens - len(request.output_token_ids) - 1)
         return max(room, 0)
+
+
+class _QuietBatch:
+    """Requests a full check found quiet (nobody may draft, or the step's proposal may be
+    left out), and the earliest step at which one of them resumes drafting. The engine asks
+    ``may_draft`` and ``skip_ahead`` about every step; in a stretch where every request is
+    backed off their answers do not change until a request joins or leaves, a resume step
+    comes, or ``propose_step`` runs (it drops these). Recognising the same requests takes
+    one C-level pass over their ids instead of a Python check per request (at 32 requests on
+    an H200 the checks had cost ~0.1 ms a step, 9% of a plain step of the demo model). The
+    requests are held, so that their ids cannot pass to new objects meanwhile."""
+
+    __slots__ = ("requests", "ids", "until")
+
+    def __init__(self, requests: Sequence[RequestView], until: int) -> None:
+        self.requests = tuple(requests)
+        self.ids = list(map(id, self.requests))
+        self.until = until
+
+    def holds(self, requests: Sequence[RequestView]) -> bool:
+        return len(requests) == len(self.ids) and list(map(id, requests)) == self.ids
 
 
 def _cut(drafts: Any, max_num_drafts: np.ndarray) -> list[list[int]] | None:
