@@ -514,6 +514,7 @@ class Scheduler:
         if runner_out.finished_loads:
             self.loads_landed(runner_out.finished_loads)
         index = {req_id: i for i, req_id in enumerate(runner_out.req_ids)}
+        draft_ids = runner_out.draft_token_ids
         if sched_out.structured_output_request_ids:
             self._advance_grammars(sched_out, runner_out, index)
         for req, start in self._scheduled_requests(sched_out):
@@ -541,8 +542,10 @@ class Scheduler:
                 new_ids = self._append_output_tokens(req, new_ids)
                 if req.grammar is not None:
                     self._finish_by_grammar(req, new_ids)
-            if runner_out.draft_token_ids and not req.is_finished:
-                req.spec_token_ids = self._room_for_drafts(req, runner_out.draft_token_ids[i])
+            # A request with no drafts now nor before (backed off: most of a useless drafter's
+            # steps) has nothing to store.
+            if draft_ids and (draft_ids[i] or req.spec_token_ids) and not req.is_finished:
+                req.spec_token_ids = self._room_for_drafts(req, draft_ids[i])
             if not new_ids and prompt_lps is None:
                 continue
             logprobs = runner_out.logprobs[i] if new_ids and runner_out.logprobs else None
