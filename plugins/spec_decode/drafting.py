@@ -158,16 +158,14 @@ class DraftProposer(Proposer):
         self._quiet_draft = None
         if len(requests) <= SCALAR_BATCH:
             resume, step = backoff.resume_step, backoff.step
-            until = [int(resume[s.row]) for s in requests]
-            if min(until, default=step + 1) <= step or any(self.rows.is_new(s) for s in requests):
-                return True
+            until = min((int(resume[s.row]) for s in requests), default=step + 1)
         else:
             rows = np.fromiter((s.row for s in requests), dtype=np.int64, count=len(requests))
-            until = backoff.resume_step[rows]
-            if (until <= backoff.step).any() or any(self.rows.is_new(s) for s in requests):
-                return True
+            until = int(backoff.resume_step[rows].min())
+        if until <= backoff.step or any(self.rows.is_new(s) for s in requests):
+            return True
         if requests:  # nobody may draft before the earliest resume step, if nobody joins
-            self._quiet_draft = _QuietBatch(requests, int(min(until)))
+            self._quiet_draft = _QuietBatch(requests, until)
         return False
 
     def skip_ahead(self, requests: Sequence[RequestView]) -> bool:
