@@ -158,8 +158,7 @@ class DraftBackoff:
         misses = self.misses[row] = self.misses[row] + 1
         over = int(misses) - self.backoff_after
         if over >= 0:
-            period = min(FIRST_BACKOFF_STEPS << min(over + int(self.level[row]), 30), self.max_backoff_steps)
-            self.resume_step[row] = (self.step // period + 1) * period
+            self.resume_step[row] = self._resume_after(over + int(self.level[row]))
 
     def observe_empty(self, rows: np.ndarray) -> None:
         """The proposer was asked for drafts for ``rows`` and found none (no n-gram match): a
@@ -186,8 +185,14 @@ class DraftBackoff:
             self.misses[rows] = self.backoff_after
             self.level[rows] = SLUMP_LEVEL
             self.gain[rows] = 0.0
-            period = min(FIRST_BACKOFF_STEPS << SLUMP_LEVEL, self.max_backoff_steps)
-            self.resume_step[rows] = (self.step // period + 1) * period
+            self.resume_step[rows] = self._resume_after(SLUMP_LEVEL)
+
+    def _resume_after(self, level: int) -> int:
+        """The step a request paused at ``level`` (doublings of ``FIRST_BACKOFF_STEPS``, up
+        to ``max_backoff_steps``) probes again: the next multiple of its pause (``_miss`` is
+        the same over many rows)."""
+        period = min(FIRST_BACKOFF_STEPS << min(level, 30), self.max_backoff_steps)
+        return (self.step // period + 1) * period
 
     def deep(self, rows: np.ndarray) -> bool:
         """Whether every request on ``rows`` is backed off (pausing between probes, or

@@ -287,8 +287,8 @@ class _QuietBatch:
     backed off their answers do not change until a request joins or leaves, a resume step
     comes, or ``propose_step`` runs (it drops these). Recognising the same requests takes
     one C-level pass over their ids instead of a Python check per request (at 32 requests on
-    an H200 the checks had cost ~0.1 ms a step, 9% of a plain step of the demo model). The
-    requests are held, so that their ids cannot pass to new objects meanwhile."""
+    the CPU machine the three checks took 14.2 us a step, 4.6 us this way). The requests are
+    held, so that their ids cannot pass to new objects meanwhile."""
 
     __slots__ = ("requests", "ids", "until")
 
