@@ -5,7 +5,7 @@ under ``TRITON_INTERPRET=1``, in tests)."""
 
 from pagelm import hookimpl
 
-PAGELM_PLUGIN_API = "2.23"
+PAGELM_PLUGIN_API = "2.24"
 
 _KERNELS = {
     "rms_norm": "rms_norm:rms_norm",

@@ -388,9 +388,11 @@ class Scheduler:
     def _num_lookahead(self, req: Request, end: int, partial: bool) -> int:
         """Slots past ``end`` (this step's last token) the proposer may write while drafting;
         none for an unfinished prefill chunk, which drafts nothing, or past max_model_len."""
-        if partial or not self.num_lookahead_tokens:
+        lookahead = self.num_lookahead_tokens
+        if partial or not lookahead:
             return 0
-        return max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
+        room = self.max_model_len - end  # compared, not min/max: once per request and step
+        return lookahead if room >= lookahead else max(room, 0)
 
     def _placeholders_reach_limit(self, req: Request) -> bool:
         """Whether the tokens in flight take ``req`` to ``max_tokens`` or ``max_model_len``."""

@@ -315,7 +315,13 @@ class Proposer(ABC):
     def may_draft(self, requests: Sequence[RequestView]) -> bool:
         """Whether the proposal after the step in flight may give any of ``requests`` (every
         running request) drafts. False lets the engine schedule the next step before the
-        one in flight is finished (async scheduling). Conservative by default."""
+        one in flight is finished (async scheduling). Conservative by default.
+
+        ``requests`` is the same list object from step to step until a request joins or
+        leaves, and is never changed in place (2.24); ``skip_ahead`` and ``step_skipped``
+        get that list too when the step covers every running request in its order. A
+        proposer may recognise an unchanged set by the list's identity instead of by its
+        requests (``DraftProposer`` does, in a stretch where every request is backed off)."""
         return True
 
     def skip_ahead(self, requests: Sequence[RequestView]) -> bool:

@@ -82,6 +82,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_reqs = config.max_num_seqs
         self.requests: dict[str, CachedRequestState] = {}
+        # ``requests``' keys and values as lists, made again only once a request joins or
+        # leaves (``_request_views``): a step over all of them in that order reuses the list,
+        # so that a proposer recognises the same requests by the list's identity.
+        self._views: tuple[list[str], list[CachedRequestState]] | None = None
         max_blocks_per_req = cdiv(max_model_len, self.block_size)
         self.block_table_cpu = np.zeros((self.max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self._free_rows = list(range(self.max_num_reqs - 1, -1, -1))
@@ -283,6 +287,7 @@ class ModelRunner:
         state.argmax_only = argmax_only(state.sampling_params, state.logits_row)
         self.block_table_cpu[state.row, : len(state.block_ids)] = state.block_ids
         self.requests[state.req_id] = state
+        self._views = None
         self._num_mm_requests += bool(state.mm_features)
         if state.mm_features and self.position_rows > 1:
             state.positions = self.model.get_input_positions(state.num_prompt_tokens, state.mm_features)
@@ -295,11 +300,19 @@ class ModelRunner:
     def _remove_state(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
         if state is not None:
+            self._views = None
             self._free_rows.append(state.row)
             self._num_mm_requests -= bool(state.mm_features)
             if state.positions is not None:
                 self._num_positioned -= 1
                 self._position_delta[state.row] = self._positioned_len[state.row] = 0
+
+    def _request_views(self) -> tuple[list[str], list[CachedRequestState]]:
+        """The running requests' ids and states, in ``requests``' order: the same two lists
+        (never changed in place) until a request joins or leaves."""
+        if self._views is None:
+            self._views = (list(self.requests), list(self.requests.values()))
+        return self._views
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
@@ -352,7 +365,8 @@ class ModelRunner:
             return PendingStep.done(sched, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         num_computed = {r.req_id: r.num_computed_tokens for r in sched.scheduled_new_reqs}
         num_computed.update({r.req_id: r.num_computed_tokens for r in sched.scheduled_cached_reqs})
-        states = [self.requests[r] for r in req_ids]
+        views = self._request_views()
+        states = views[1] if req_ids == views[0] else [self.requests[r] for r in req_ids]
         starts = [num_computed[r] for r in req_ids]
         counts = [sched.num_scheduled_tokens[r] for r in req_ids]
 
@@ -494,8 +508,9 @@ class ModelRunner:
             out_ids.append([token])
         out = ModelRunnerOutput(pending.req_ids, out_ids, logprobs, prompt_logprobs)
         if pending.skip_proposal:  # no drafts, and nothing for the proposer to follow
+            # draft_token_ids stays empty: no request has drafts stored (``skip_ahead`` saw
+            # none proposed), so the scheduler has none to replace.
             self.spec.proposer.step_skipped(pending.states)
-            out.draft_token_ids = [[] for _ in out_ids]
         elif self.spec is not None:  # ahead: a later step is launched already (async scheduling)
             ahead = self._in_flight is not None
             out.draft_token_ids = self.spec.propose(
@@ -510,7 +525,7 @@ class ModelRunner:
         if self.spec is None:
             return False
         proposer = self.spec.proposer
-        if proposer is None or proposer.may_draft(list(self.requests.values())):
+        if proposer is None or proposer.may_draft(self._request_views()[1]):
             return True
         pending = self._in_flight
         if pending is not None and pending.sample_positions and min(pending.sample_positions) >= 0:

@@ -287,18 +287,26 @@ class _QuietBatch:
     backed off their answers do not change until a request joins or leaves, a resume step
     comes, or ``propose_step`` runs (it drops these). Recognising the same requests takes
     one C-level pass over their ids instead of a Python check per request (at 32 requests on
-    the CPU machine the three checks took 14.2 us a step, 4.6 us this way). The requests are
-    held, so that their ids cannot pass to new objects meanwhile."""
+    the CPU machine the three checks took 14.2 us a step, 4.6 us this way), and nothing at all
+    when they come as the list seen last: the engine's list, the same until a request joins or
+    leaves (plugin API 2.24; 3.8 -> 0.8 us a step for the runner's ``may_draft_next``). The
+    requests are held, so that their ids cannot pass to new objects meanwhile."""
 
-    __slots__ = ("requests", "ids", "until")
+    __slots__ = ("requests", "ids", "until", "seen")
 
     def __init__(self, requests: Sequence[RequestView], until: int) -> None:
         self.requests = tuple(requests)
         self.ids = list(map(id, self.requests))
         self.until = until
+        self.seen = requests  # the last sequence found to hold them
 
     def holds(self, requests: Sequence[RequestView]) -> bool:
-        return len(requests) == len(self.ids) and list(map(id, requests)) == self.ids
+        if requests is self.seen:  # the engine's list of them, unchanged (``Proposer.may_draft``)
+            return True
+        if len(requests) == len(self.ids) and list(map(id, requests)) == self.ids:
+            self.seen = requests
+            return True
+        return False
 
 
 def _cut(drafts: Any, max_num_drafts: np.ndarray) -> list[list[int]] | None:
