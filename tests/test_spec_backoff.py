@@ -163,14 +163,15 @@ def test_while_the_drafter_does_not_pay_a_new_request_starts_backed_off_after_it
     assert backoff.cap(np.array([2]), np.array([0]))[0] == 0  # its prompt is not in yet
     assert backoff.misses[2] == 0 and not backoff.deep(np.array([2]))
     step, granted = backoff.step, []
-    for _ in range(80):  # every probe rejected
+    for _ in range(300):  # every probe rejected
         if granted and granted[-1]:
             backoff.observe(np.array([2]), np.array([granted[-1]]), np.array([0]))
         granted.append(int(backoff.cap(np.array([2]), np.array([3]))[0]))
     assert backoff.num_slump_starts == 1 and backoff.deep(np.array([2]))
-    # Probes of one draft from the 16-step pause on: steps 16, 32, 64 (4 steps had passed).
+    # Probes of one draft from the 64-step pause on (4 steps had passed), then every 128
+    # (max_backoff_steps).
     probes = [step + t for t, g in enumerate(granted) if g]
-    assert probes == [16, 32, 64] and all(granted[p - step] == 1 for p in probes)
+    assert probes == [64, 128, 256] and all(granted[p - step] == 1 for p in probes)
     # A drafter that pays: a new request drafts k from its first step.
     for _ in range(8):
         backoff.observe(rows, np.array([3, 3]), np.array([2, 3]))
@@ -394,7 +395,7 @@ def test_requests_after_a_drafter_that_did_not_pay_start_backed_off(llama_dir, p
             followed.append(list(calls))
     assert proposer.backoff.num_slump_starts == len(REPETITIVE)
     # First batch: two verifications of k drafts each, then probes after 2, 4, ... steps.
-    # Second: probes only, the first after 16 steps.
+    # Second: probes only, the first after 64 steps.
     assert drafts[1] <= 0.5 * drafts[0], drafts
     assert followed[1][0] == [0] * len(REPETITIVE)  # the prefill step, followed, nothing drafted
     assert all(any(caps) for caps in followed[1][1:])  # then only the probes

@@ -70,8 +70,12 @@ MIN_GAIN = 0.25
 RECORD_WINDOW = 64
 RECORD_MIN = 8
 # A request that starts while the drafter's record is below ``MIN_GAIN`` starts at this
-# level of backoff: its first probe after ``FIRST_BACKOFF_STEPS << SLUMP_LEVEL`` (16) steps.
-SLUMP_LEVEL = 3
+# level of backoff: its first probe after ``FIRST_BACKOFF_STEPS << SLUMP_LEVEL`` (64) steps.
+# Each probe is a verification step of the whole batch (1.1 ms on the demo model at batch 32
+# on the H200, against a 0.64 ms plain step); from level 3 (16 steps) a useless drafter's
+# requests probed 4-5 times in 256 tokens, from level 5 twice or three times: 0.93 -> 0.97x
+# of plain decoding at batch 32, 0.95 -> 1.0x at batch 1 (docs/results/2026-11-28-s31/).
+SLUMP_LEVEL = 5
 
 
 class DraftBackoff:
