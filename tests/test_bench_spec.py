@@ -12,6 +12,9 @@ from pagelm.cli import build_parser, main
 from pagelm.plugins.spec_decode.eagle_train import EagleTrainConfig, train_eagle_head
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+# Drafting every step: with every draft rejected, adaptive drafting would soon start new requests
+# backed off, and a 10-token request might then draft nothing at all.
+NGRAM_EVERY_STEP = NGRAM[:-1] + ', "adaptive": false}'
 # A small repeat workload: 8-token blocks, 3 copies, 10 output tokens, one timed run.
 SMALL_REPEAT = ["--workload", "repeat", "--repeat-block-len", "8", "--repeat-count", "3", "--output-len", "10",
                 "--warmup", "0", "--iters", "1"]
@@ -138,7 +141,8 @@ def test_paired_runs_take_turns_in_two_processes_and_report_each_pairs_speedup(l
     out = tmp_path / "latency.json"
     rc = main([
         "bench", "latency", "--model", str(llama_dir), "--batch-sizes", "1,2", *SMALL_REPEAT[:-1], "3",
-        "--speculative-config", NGRAM, "--compare", "spec-off", "--paired", "--spec-reject-all", "--json", str(out),
+        "--speculative-config", NGRAM_EVERY_STEP, "--compare", "spec-off", "--paired", "--spec-reject-all",
+        "--json", str(out),
     ])
     assert rc == 0
     report = json.loads(out.read_text())
