@@ -265,3 +265,35 @@ def test_inverse_cdf_never_lands_on_a_zero_probability_token():
     freq = torch.bincount(inverse_cdf(rows, {}, torch.Generator().manual_seed(3)), minlength=4).float() / draws
     assert freq[0] == 0 and freq[2] == 0
     assert torch.allclose(freq, torch.tensor([0.0, 0.25, 0.0, 0.75]), atol=0.02)
+
+
+def test_an_argmax_only_batch_shares_one_metadata_per_size():
+    """``ArgmaxMetadata``: made once per batch size, all greedy, and sampling with it is the argmax."""
+    from pagelm.worker.sampling_inputs import ArgmaxMetadata
+
+    cache = ArgmaxMetadata(torch.device("cpu"))
+    md = cache.get(4)
+    assert cache.get(4) is md and cache.get(3) is not md and cache.get(3).temperature.shape == (3,)
+    assert md.all_greedy and not md.all_random and md.temperature.tolist() == [0.0] * 4
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(sample(logits, md).sampled_token_ids, logits.argmax(-1))
+
+
+def test_an_all_greedy_batch_samples_as_the_full_metadata_would(llama_dir, monkeypatch):
+    """Through the engine: a batch of greedy requests with nothing else set skips
+    ``build_sampling_metadata``; the same requests asking for logprobs (not argmax-only) build it,
+    and their tokens are the same."""
+    import pagelm.worker.model_runner as model_runner
+    from pagelm import LLM, SamplingParams
+
+    built = []
+    real = model_runner.build_sampling_metadata
+    monkeypatch.setattr(model_runner, "build_sampling_metadata", lambda *a: built.append(len(a[0])) or real(*a))
+    llm = LLM(str(llama_dir), dtype="float32", block_size=8)
+    prompts = [{"prompt_token_ids": [1, 5, 9, 200 + i]} for i in range(3)]
+    ids = lambda params: [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]  # noqa: E731
+    greedy = ids(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert built == []
+    with_logprobs = ids(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1))
+    assert built and with_logprobs == greedy
+    llm.shutdown()

@@ -52,7 +52,7 @@ from pagelm.worker.pipeline_stage import PipelineStage
 from pagelm.worker.output import LogprobsLists, ModelRunnerOutput
 from pagelm.worker.pending_step import PLACEHOLDER_TOKEN, PendingStep, logprobs_lists
 from pagelm.worker.step_state import CachedRequestState, StepInputs, host_sync_point
-from pagelm.worker.sampling_inputs import argmax_only, build_sampling_metadata, to_device
+from pagelm.worker.sampling_inputs import ArgmaxMetadata, argmax_only, build_sampling_metadata, to_device
 from pagelm.worker.spec_decode import SpecDecodeRunner
 
 logger = logging.getLogger("pagelm")
@@ -102,6 +102,7 @@ class ModelRunner:
         self.kv_copier: KVCopier | None = None
         self.cuda_graphs: CudaGraphRunner | None = None
         self.sampler = Sampler()
+        self.argmax_metadata = ArgmaxMetadata(device)
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         # Pipeline parallelism: this rank's stage (None: the whole model is here).
         self.pipeline = PipelineStage(model, dtype, device) if parallel_state().pp_size > 1 else None
@@ -382,7 +383,10 @@ class ModelRunner:
         step = self.prepare_inputs(states, starts, counts, allow_graph=mm_embeds is None)
         step.mm_embeds = mm_embeds
         # Before this step's placeholders: seeds and min_tokens count the outputs before it.
-        md = build_sampling_metadata(states, self.eos_token_ids, self.vocab_size, self.device)
+        if all(s.argmax_only for s in states):
+            md = self.argmax_metadata.get(len(states))
+        else:
+            md = build_sampling_metadata(states, self.eos_token_ids, self.vocab_size, self.device)
         if previous is not None:
             feeds = self._feed_index(previous, states, starts, counts)
             if previous.awaits_sampling:

@@ -36,6 +36,25 @@ def argmax_only(params, logits_row) -> bool:
     )
 
 
+class ArgmaxMetadata:
+    """The ``SamplingMetadata`` of a batch whose every row is ``argmax_only``: all greedy,
+    nothing else set, so the same for every such batch of a size. Made once per batch size
+    and handed out again (nothing changes a metadata once built): building it afresh, a
+    temperature column uploaded per step, cost ~35 us of host time a step at 32 requests on
+    the CPU machine, and a small model's GPU step is all host time."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self._by_size: dict[int, SamplingMetadata] = {}
+
+    def get(self, num_rows: int) -> SamplingMetadata:
+        md = self._by_size.get(num_rows)
+        if md is None:
+            temperature = torch.zeros(num_rows, dtype=torch.float32, device=self.device)
+            md = self._by_size[num_rows] = SamplingMetadata(temperature=temperature, all_greedy=True, all_random=False)
+        return md
+
+
 def build_sampling_metadata(states, eos_token_ids: frozenset[int], vocab_size: int, device) -> SamplingMetadata:
     """The sampler's inputs for one row per state. Which knobs are in use is decided over
     the distinct ``SamplingParams`` objects (a verification step's rows of one request share
