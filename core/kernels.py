@@ -25,6 +25,12 @@ KERNELS = {
     "apply_token_bitmask": "apply_token_bitmask(logits, bitmask, rows) in place  (pagelm.sample.bitmask)",
     "exponential_race": "exponential_race(logits, noise, temperature, bitmask) -> ids  (the sampler)",
     "derive_step_inputs": "derive_step_inputs(staging, block_table, input_ids, ...)  (decode graphs)",
+    "draft_step_inputs": "draft_step_inputs(step ids, slots, seq_lens, last_index, next_token, real, ...) (2.25: "
+    "a draft head's graph, before pass 1)",
+    "draft_pass_inputs": "draft_pass_inputs(last_positions, max_drafts, block_table, ...) (2.25: a draft head's "
+    "graph, before each pass after the first)",
+    "gather_drafts": "gather_drafts(staging, source, out_of_vocab, *, sources_offset, num_tokens, vocab_size) (2.25: "
+    "a verification graph's drafts kept on the device)",
 }
 
 # (plugin manager, its generation, {name: (module, function)}): looked up again when the set

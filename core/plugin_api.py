@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 # What each version added, and the migration notes: docs/plugins.md ("Plugin API version").
-PLUGIN_API_VERSION = "2.24"
+PLUGIN_API_VERSION = "2.25"
 PLUGIN_API_ATTRIBUTE = "PAGELM_PLUGIN_API"
 
 _VERSION_RE = re.compile(r"^(\d+)(?:\.(\d+))?$")

@@ -10,7 +10,7 @@ from pagelm.models.qwen2 import Qwen2ForCausalLM
 from pagelm.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from pagelm.models.qwen3 import Qwen3ForCausalLM
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 __all__ = [
     "LlamaForCausalLM", "LlavaForConditionalGeneration", "MistralForCausalLM", "Qwen2ForCausalLM",

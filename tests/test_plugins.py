@@ -155,7 +155,7 @@ def test_declared_api_version_is_recorded(tmp_path, monkeypatch):
         warnings.simplefilter("error")  # a declaring plugin loads without a warning
         pm.load_entry_points()
     assert pm.loaded["pagelm_lifo"].api_version == "2.0"
-    assert pm.loaded["fcfs"].api_version == PLUGIN_API_VERSION == "2.24"
+    assert pm.loaded["fcfs"].api_version == PLUGIN_API_VERSION == "2.25"
 
 
 def test_plugin_for_another_major_api_is_rejected_naming_both_versions(tmp_path, monkeypatch):
@@ -241,7 +241,7 @@ def test_cli_lists_builtin_plugins_with_kind_package_and_version(capsys):
     import pagelm
 
     mine = ("fcfs", "priority", "sjf", "torch_attention", "models")
-    assert {(rows[n]["package"], rows[n]["version"], rows[n]["plugin_api"]) for n in mine} == {("pagelm", pagelm.__version__, "2.24")}
+    assert {(rows[n]["package"], rows[n]["version"], rows[n]["plugin_api"]) for n in mine} == {("pagelm", pagelm.__version__, "2.25")}
 
 
 def test_cli_lists_third_party_broken_and_disabled_plugins(tmp_path, monkeypatch, capsys):

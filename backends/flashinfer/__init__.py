@@ -4,7 +4,7 @@
 from pagelm import hookimpl
 from pagelm.backends.flashinfer.backend import FlashInferAttentionBackend
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 
 @hookimpl

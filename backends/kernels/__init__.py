@@ -5,7 +5,7 @@ under ``TRITON_INTERPRET=1``, in tests)."""
 
 from pagelm import hookimpl
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 _KERNELS = {
     "rms_norm": "rms_norm:rms_norm",
@@ -15,6 +15,9 @@ _KERNELS = {
     "apply_token_bitmask": "bitmask:apply_token_bitmask_triton",
     "exponential_race": "race:exponential_race_triton",
     "derive_step_inputs": "graph_inputs:derive_step_inputs",
+    "draft_step_inputs": "draft_inputs:draft_step_inputs",
+    "draft_pass_inputs": "draft_inputs:draft_pass_inputs",
+    "gather_drafts": "draft_inputs:gather_drafts",
 }
 
 

@@ -3,7 +3,7 @@
 from pagelm import hookimpl
 from pagelm.backends.torch.backend import TorchAttentionBackend
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 
 @hookimpl

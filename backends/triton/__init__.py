@@ -3,7 +3,7 @@ only under ``TRITON_INTERPRET=1``). Importing it does not import Triton."""
 
 from pagelm import hookimpl
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 from pagelm.backends.triton.backend import TritonAttentionBackend
 
 

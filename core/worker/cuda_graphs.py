@@ -276,7 +276,7 @@ class CudaGraphRunner:
         q, bs = self.query_len, self.block_size
         rq, num_tokens = self.max_size * q, size * q
         fused = self.staging_dev.is_cuda if use_triton is None else use_triton
-        self._gather_drafts(num_tokens)
+        self._gather_drafts(num_tokens, fused)
         derive_step_inputs = fused_kernel("derive_step_inputs") if fused else None
         if derive_step_inputs is not None:
             derive_step_inputs(
@@ -297,14 +297,20 @@ class CudaGraphRunner:
         self.slot_mapping[:num_tokens].copy_(slots.view(-1))
         self._shift_positions(size)
 
-    def _gather_drafts(self, num_tokens: int) -> None:
+    def _gather_drafts(self, num_tokens: int, fused: bool) -> None:
         """In-graph, with ``draft_source``: the staged ids where a source is given replaced by
         the draft there, clamped into the vocabulary (an out-of-range id is reported from the
-        host's copy, and must not reach an embedding)."""
+        host's copy, and must not reach an embedding). One kernel when ``fused`` and one is
+        registered (``gather_drafts``, 2.25: in torch ops, 10 on the verification's path)."""
         if self.draft_source is None:
             return
         source, vocab_size = self.draft_source
         at = self._sources_at
+        gather = fused_kernel("gather_drafts") if fused else None
+        if gather is not None:
+            out_of_vocab = None if self._verdict is None else self._verdict[2, :num_tokens]
+            gather(self.staging_dev, source, out_of_vocab, sources_offset=at, num_tokens=num_tokens, vocab_size=vocab_size)
+            return
         sources = self.staging_dev[at : at + num_tokens]
         drafts = source[sources.clamp(min=0)]
         if self._verdict is not None:  # row 2 of the verdict: the host names the proposer

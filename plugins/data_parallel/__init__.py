@@ -3,7 +3,7 @@ plugin picking each request's replica (``replicas.py``)."""
 
 from pagelm import hookimpl
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 
 @hookimpl

@@ -7,7 +7,7 @@ from pagelm.plugins.executors.external_launcher import ExternalLauncherExecutor
 from pagelm.plugins.executors.mp import MultiprocessingExecutor, UniExecutor
 from pagelm.plugins.executors.ray_executor import RayExecutor
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 
 @hookimpl

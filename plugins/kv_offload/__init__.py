@@ -9,7 +9,7 @@ from pagelm import hookimpl
 from pagelm.config import EngineConfig
 from pagelm.kv_offload import KVCopier, KVOffload, KVOffloadTier
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 
 class CPUOffload(KVOffload):

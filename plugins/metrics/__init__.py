@@ -6,7 +6,7 @@ import importlib.util
 
 from pagelm import hookimpl
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 
 @hookimpl

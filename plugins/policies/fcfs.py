@@ -8,7 +8,7 @@ from pagelm.request import Request
 from pagelm.sched.policy import SchedulingPolicy
 from pagelm.sched.request_queue import FIFOQueue, RequestQueue
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 
 class FCFSPolicy(SchedulingPolicy):

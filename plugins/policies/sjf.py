@@ -30,7 +30,7 @@ from pagelm import hookimpl
 from pagelm.request import Request
 from pagelm.sched.policy import SchedulingPolicy
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 DEFAULT_AGING_TOKENS_PER_S = 100.0
 # Expected output of a request without max_tokens and without a predictor.

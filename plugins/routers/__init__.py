@@ -6,7 +6,7 @@ from pagelm import hookimpl
 from pagelm.plugins.routers.balance import LeastLoadedRouter, RoundRobinRouter
 from pagelm.plugins.routers.prefix_affinity import PrefixAffinityRouter
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 
 @hookimpl

@@ -3,7 +3,7 @@ when the command runs (``pip install 'pagelm[server]'``)."""
 
 from pagelm import hookimpl
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 
 @hookimpl

@@ -56,7 +56,7 @@ from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs, replays_without_host_planning, uniform_query_len
 from pagelm.spec_decode import DeviceDrafts, DraftGraphSetup
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 logger = logging.getLogger("pagelm")
 

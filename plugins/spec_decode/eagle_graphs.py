@@ -7,11 +7,11 @@
   (a verification step, replayed by the target's verification graph), then passes ``2..k``:
   the whole proposal is one replay.
 
-What a replay needs from the host is staged in one pinned buffer and copied once. The
-target's pass (its input ids, positions, hidden states, slots, ``seq_lens``) is copied into
-the graph's buffers device to device: in-graph from the verification graph of the same size
-when that ran the step (``DraftGraphSetup.verify_buffers``, plugin API 2.23: no copy is
-issued from the host), else from the host into where the graph reads it::
+What a replay needs from the host is staged in one pinned buffer and copied once. Pass 1
+reads the target's pass (its input ids, positions, hidden states, slots, ``seq_lens``) where
+the verification graph of the same size left it when that ran the step
+(``DraftGraphSetup.verify_buffers``, plugin API 2.23: nothing is copied), else from the
+graph's own buffers, which ``load_step`` fills device to device::
 
     pinned staging (int64):  | p* [R] | max drafts [R] | last index [R] | next token [R] | real [R] | block rows [n x cols] |
                                p*: a request's last verified position; last index: its flat row
@@ -23,6 +23,10 @@ issued from the host), else from the host into where the graph reads it::
         its head KV at that position's slot and attends up to it; any other row (padding,
         or a request that wants fewer drafts) stores nothing (slot -1) and attends one key
     drafts [R, k]:  | d1 | d2 .. dk |   read for the drafting rows, each cut to its max drafts
+
+On CUDA what the graph derives between passes is one kernel each (``draft_step_inputs``
+before pass 1, ``draft_pass_inputs`` before each later one; plugin API 2.25): in torch ops
+it was 40 of a proposal's 102 kernels on the demo model at batch 1 (k = 3).
 
 Positions are clamped below ``max_model_len``, so a row past its drafts never indexes outside
 its block-table row or the rotary cache. The attention metadata is built once per size
@@ -44,6 +48,7 @@ import torch
 from torch import nn
 
 from pagelm.attention import AttentionMetadataBuilder, CommonAttentionMetadata, ForwardContext, forward_context
+from pagelm.kernels import fused_kernel
 from pagelm.spec_decode import DraftGraphSetup, TargetPass, VerificationBuffers
 
 logger = logging.getLogger("pagelm")
@@ -133,6 +138,7 @@ class EagleDraftGraphs:
             self.step_seq_lens = torch.ones(r, dtype=torch.int32, device=device)
             self.step_query_start_loc = torch.arange(r + 1, dtype=torch.int32, device=device) * q
             self._step_qsl_host = torch.arange(r + 1, dtype=torch.int32) * q
+            self.head_input_ids = torch.zeros(r * q, dtype=torch.int64, device=device)  # pass 1's (fused path)
             # The same five, as pass 1 reads them.
             self._own = VerificationBuffers(
                 self.step_input_ids, self.step_positions, self.step_hidden, self.step_slot_mapping, self.step_seq_lens
@@ -256,25 +262,32 @@ class EagleDraftGraphs:
         at = field * self.max_size
         return self.staging_dev[at : at + size]
 
-    def _first_pass(self, size: int, md) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _first_pass(self, size: int, md, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Pass 1 over the loaded step: each request's first draft and head hidden state
-        (None with ``kv_only``: the head's KV is all it leaves)."""
+        (None with ``kv_only``: the head's KV is all it leaves). The step is read where the
+        verification graph's replay left it (``sources``), else from this graph's own copy."""
         q = self.query_len
         num_tokens = size * q
-        src = self.sources.get(size)
-        if src is not None:  # the verification graph's step, where its replay left it
-            for name in _STEP_FIELDS:
-                rows = size if name == "seq_lens" else num_tokens
-                getattr(self._own, name)[:rows].copy_(getattr(src, name)[:rows])
-        padding = self._field(_REAL, size) == 0
-        # A padding request stores nothing and attends one key.
-        self.step_slot_mapping[:num_tokens].view(size, q).masked_fill_(padding[:, None], -1)
-        self.step_seq_lens[:size].masked_fill_(padding, 1)
-        input_ids = torch.roll(self.step_input_ids[:num_tokens].clamp(min=0), -1)  # position p reads token p+1
-        last_index = self._field(_LAST_INDEX, size)
-        input_ids.index_copy_(0, last_index, self._field(_NEXT_TOKEN, size))
+        step = self.sources.get(size) or self._own
+        last_index, real = self._field(_LAST_INDEX, size), self._field(_REAL, size)
+        fused = self.staging_dev.is_cuda if use_triton is None else use_triton
+        draft_step_inputs = fused_kernel("draft_step_inputs") if fused else None
+        if draft_step_inputs is not None:  # one kernel (``pagelm.backends.kernels.draft_inputs``)
+            draft_step_inputs(
+                step.input_ids, step.slot_mapping, step.seq_lens, last_index, self._field(_NEXT_TOKEN, size), real,
+                self.head_input_ids, self.step_slot_mapping, self.step_seq_lens, size=size, query_len=q,
+            )
+            input_ids = self.head_input_ids[:num_tokens]
+        else:
+            padding = real == 0
+            # A padding request stores nothing and attends one key.
+            slots = step.slot_mapping[:num_tokens].view(size, q).masked_fill(padding[:, None], -1)
+            self.step_slot_mapping[:num_tokens].copy_(slots.view(-1))
+            self.step_seq_lens[:size].copy_(step.seq_lens[:size].masked_fill(padding, 1))
+            input_ids = torch.roll(step.input_ids[:num_tokens].clamp(min=0), -1)  # position p reads token p+1
+            input_ids.index_copy_(0, last_index, self._field(_NEXT_TOKEN, size))
         with forward_context(ForwardContext(attn_metadata=md)):
-            hidden = self.head(input_ids, self.step_positions[:num_tokens], self.step_hidden[:num_tokens])
+            hidden = self.head(input_ids, step.positions[:num_tokens], step.hidden_states[:num_tokens])
         if self.kv_only:
             return None
         hidden = hidden.index_select(0, last_index)
@@ -283,7 +296,6 @@ class EagleDraftGraphs:
     def _step(self, size: int, md, step_md=None) -> torch.Tensor:
         """What a graph records: pass 1 (``query_len``) or the loaded first drafts, then
         passes ``2..k``; the drafts ``[size, k]``."""
-        bs = self.block_size
         if self.kv_only:
             self._first_pass(size, step_md)
             return self.drafts[:size]
@@ -295,17 +307,31 @@ class EagleDraftGraphs:
         max_drafts = self._field(_MAX_DRAFTS, size)
         self.drafts[:size, 0].copy_(tokens)
         for j in range(1, self.num_drafts):
-            positions = (last_positions + j).clamp(max=self.max_model_len - 1)
-            drafting = max_drafts > j
-            block = self.block_table[:size].gather(1, (positions // bs)[:, None]).squeeze(1).long()
-            self.positions[:size].copy_(positions)
-            self.seq_lens[:size].copy_(torch.where(drafting, positions + 1, 1))
-            self.slot_mapping[:size].copy_(torch.where(drafting, block * bs + positions % bs, -1))
+            self._pass_inputs(size, j, last_positions, max_drafts)
             with forward_context(ForwardContext(attn_metadata=md)):
                 hidden = self.head(tokens, self.positions[:size], hidden)
             tokens = self.argmax(hidden)
             self.drafts[:size, j].copy_(tokens)
         return self.drafts[:size]
+
+    def _pass_inputs(self, size: int, j: int, last_positions, max_drafts, use_triton: bool | None = None) -> None:
+        """In-graph, before pass ``j``: its positions, ``seq_lens`` and slots. One fused
+        kernel on CUDA (``draft_pass_inputs``), the same math in torch ops elsewhere."""
+        fused = self.staging_dev.is_cuda if use_triton is None else use_triton
+        draft_pass_inputs = fused_kernel("draft_pass_inputs") if fused else None
+        if draft_pass_inputs is not None:
+            draft_pass_inputs(
+                last_positions, max_drafts, self.block_table, self.positions, self.seq_lens, self.slot_mapping,
+                size=size, j=j, max_model_len=self.max_model_len, block_size=self.block_size,
+            )
+            return
+        bs = self.block_size
+        positions = (last_positions + j).clamp(max=self.max_model_len - 1)
+        drafting = max_drafts > j
+        block = self.block_table[:size].gather(1, (positions // bs)[:, None]).squeeze(1).long()
+        self.positions[:size].copy_(positions)
+        self.seq_lens[:size].copy_(torch.where(drafting, positions + 1, 1))
+        self.slot_mapping[:size].copy_(torch.where(drafting, block * bs + positions % bs, -1))
 
     def metadata(self, size: int) -> tuple:
         """The backend's metadata of the one-token passes and (``query_len``) of pass 1."""

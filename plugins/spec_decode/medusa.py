@@ -48,7 +48,7 @@ from pagelm.spec_decode import DeviceDrafts
 from pagelm.plugins.spec_decode.medusa_graphs import MedusaDraftGraphs
 from pagelm.spec_decode import DraftGraphSetup
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 # Drafting is captured for up to this many drafting requests (EAGLE's limit, and the
 # verification graphs').

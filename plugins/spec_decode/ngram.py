@@ -18,7 +18,7 @@ import numpy as np
 from pagelm import hookimpl
 from pagelm.plugins.spec_decode.drafting import DraftProposer, ProposalBatch
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 
 class NgramProposer(DraftProposer):

@@ -32,7 +32,7 @@ from pagelm.sampling_params import GuidedDecodingParams
 from pagelm.plugins.structured_output.backend import GrammarBackend
 from pagelm.plugins.structured_output.grammar import CompiledGrammar, StructuredOutputGrammar
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 _SETTINGS = {"any_whitespace": bool, "max_whitespace_cnt": int, "compile_threads": int, "fill_threads": int}
 _DEFAULT_FILL_THREADS = 4

@@ -5,7 +5,7 @@ contract is ``parser.py``, its conformance check ``conformance.py``."""
 
 from pagelm import hookimpl
 
-PAGELM_PLUGIN_API = "2.24"
+PAGELM_PLUGIN_API = "2.25"
 
 
 @hookimpl
