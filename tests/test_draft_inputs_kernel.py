@@ -4,8 +4,6 @@ ids, slots and seq_lens from the step the target ran (read in place, or from the
 copy), and each later pass's positions, seq_lens and slots, with padding requests, requests
 drafting fewer tokens and positions clamped at ``max_model_len``."""
 
-import importlib
-
 import numpy as np
 import pytest
 import torch
@@ -13,7 +11,7 @@ from torch import nn
 
 pytest.importorskip("triton")
 
-from triton_interpreter import interpret_triton  # noqa: E402
+from triton_interpreter import interpreted_kernels  # noqa: E402
 from pagelm.attention import GraphSupport  # noqa: E402
 from pagelm.plugins.spec_decode.eagle_graphs import EagleDraftGraphs  # noqa: E402
 from pagelm.spec_decode import DraftGraphSetup, VerificationBuffers  # noqa: E402
@@ -24,12 +22,7 @@ Q, BLOCK, MAX_LEN = 4, 4, 30
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_interpreter():
-    if torch.cuda.is_available():
-        yield
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        interpret_triton(mp)
-        importlib.reload(importlib.import_module("pagelm.backends.kernels.draft_inputs"))
+    with interpreted_kernels("pagelm.backends.kernels.draft_inputs", fresh=True):
         yield
 
 
