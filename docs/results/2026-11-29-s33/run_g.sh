@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > /tmp/pip.log 2>&1 || { tail -3 /tmp/pip.log; exit 1; }
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/log
 timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_gpu.py tests/test_rotary_kv_store.py \
-    tests/test_gpu_fast_path.py tests/test_spec_graphs.py 2>&1 | tail -2 | tee -a $OUT/log
+    tests/test_gpu_fast_path.py tests/test_spec_graphs.py tests/test_pdl_metadata.py 2>&1 | tail -2 | tee -a $OUT/log
 for round in 1 2; do
   for tree in new base; do
     dir=$PWD; [ $tree = base ] && dir=$PWD/baseline
