@@ -40,7 +40,15 @@ def is_interpreted(kernel) -> bool:
 # overlap the predecessor's tail, a large part of a 2-4 us kernel at batch 1. Every kernel of
 # the decode path is launched so (norms, projections, rotary, KV store, attention) and lets
 # its successor launch early (``allow_next_kernel``). The GEMV loads its first weight chunk
-# before waiting (weights are never written); the others wait first thing. Every program of
+# before waiting (weights are never written); rotary, the K/V store and attention read the
+# step's metadata before waiting (positions, slot mapping, sequence and query lengths, block
+# table). That is safe because no kernel that lets its successor launch early writes
+# metadata: it is written by host copies and by kernels that do not call
+# ``allow_next_kernel`` (the graph-input and draft-input kernels), and a kernel launched
+# after one of those starts only once it has finished. A new kernel that writes metadata
+# must not call ``allow_next_kernel`` either. Those reads bypass L1 (``.cg``): a line
+# cached there by the previous step's replay of the same kernel could be stale, and only the
+# wait orders L1 with other SMs' writes. Every program of
 # such a kernel must pass the wait before it finishes: a kernel that finished without
 # waiting would let its own successor run ahead of the kernel before it.
 

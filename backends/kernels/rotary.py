@@ -90,13 +90,15 @@ def _rotary_kernel(
     USE_PDL: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)
-    wait_for_previous_kernel(USE_PDL)  # q and k come from the projection just before
+    # The position and its cos/sin before waiting: positions are the step's metadata, written
+    # before its first layer (``pagelm.backends.kernels.common``).
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    pos = tl.load(positions_ptr + tok, cache_modifier=".cg").to(tl.int64)
     dims = tl.arange(0, HALF_PAD)
     cache_row = cos_sin_ptr + pos * (2 * HALF)
     cos = tl.load(cache_row + dims, mask=dims < HALF, other=0.0)[None, :]
     sin = tl.load(cache_row + HALF + dims, mask=dims < HALF, other=0.0)[None, :]
+    wait_for_previous_kernel(USE_PDL)  # q and k come from the projection just before
     _rotate_heads(
         q_ptr, stride_q_tok, stride_q_head, num_q_heads, tok, cos, sin, q_norm_w_ptr, eps,
         HALF, HALF_PAD, BLOCK_H, INTERPRETED, NORM,

@@ -45,9 +45,9 @@ def _store_kv_kernel(
     USE_PDL: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)
-    wait_for_previous_kernel(USE_PDL)  # K/V come from the kernels just before
     tok = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok, cache_modifier=".cg").to(tl.int64)  # the step's metadata: before the wait
+    wait_for_previous_kernel(USE_PDL)  # K/V come from the kernels just before
     if slot < 0:
         return
     heads = tl.arange(0, KV_HEADS_PAD)
@@ -140,13 +140,16 @@ def _rotary_store_kv_kernel(
     USE_PDL: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)
-    wait_for_previous_kernel(USE_PDL)  # q/k/v come from the projection just before
+    # The step's metadata (position, slot) and the position's cos/sin before the wait
+    # (``pagelm.backends.kernels.common``); q/k/v after it.
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    pos = tl.load(positions_ptr + tok, cache_modifier=".cg").to(tl.int64)
     dims = tl.arange(0, HALF_PAD)
     in_half = dims < HALF
     cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + dims, mask=in_half, other=0.0)[None, :]
     sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + dims, mask=in_half, other=0.0)[None, :]
+    slot = tl.load(slot_mapping_ptr + tok, mask=tok < num_slots, other=-1, cache_modifier=".cg").to(tl.int64)
+    wait_for_previous_kernel(USE_PDL)  # q/k/v come from the projection just before
 
     # q: Q_BLOCK_H heads at a time, in place (a head's pass-through dims stay where they are).
     for h0 in range(0, NUM_HEADS, Q_BLOCK_H):
@@ -160,7 +163,6 @@ def _rotary_store_kv_kernel(
         tl.store(first, q1, mask=mask)
         tl.store(first + HALF, q2, mask=mask)
 
-    slot = tl.load(slot_mapping_ptr + tok, mask=tok < num_slots, other=-1).to(tl.int64)
     if slot >= 0:
         kv_heads = tl.arange(0, KV_HEADS_PAD)
         head_ok = (kv_heads < NUM_KV_HEADS)[:, None]

@@ -75,7 +75,7 @@ def _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q: tl.constexpr):
     hi = num_reqs
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        first = tl.load(query_start_loc_ptr + mid, cache_modifier=".cg") // BLOCK_Q + mid
         at_or_before = first <= pid
         lo = tl.where(at_or_before, mid, lo)
         hi = tl.where(at_or_before, hi, mid)
@@ -187,24 +187,30 @@ def _paged_attention_kernel(
     USE_PDL: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)  # the output projection may start loading its weights
-    wait_for_previous_kernel(USE_PDL)  # this step's K/V are being stored just before
+    # The step's metadata (request index, query and sequence lengths, block table) is read
+    # before waiting for the kernel just before, from L2 (``.cg``): it was written before this
+    # step's first layer by a kernel or copy that lets nothing after it start early (see
+    # ``pagelm.backends.kernels.common``), so only q and this step's K/V wait. At batch 1
+    # that takes three or four dependent loads off each layer's critical path.
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if SPLIT:  # one query token per program: pid = request * SPLIT_Q + token
-        req = tl.load(decode_req_idx_ptr + pid // SPLIT_Q)
+        req = tl.load(decode_req_idx_ptr + pid // SPLIT_Q, cache_modifier=".cg")
         q_block_start = pid % SPLIT_Q
     else:
         req = _find_request(query_start_loc_ptr, num_reqs, pid, BLOCK_Q)
-        q_block_start = (pid - (tl.load(query_start_loc_ptr + req) // BLOCK_Q + req)) * BLOCK_Q
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        q_block_start = (pid - (tl.load(query_start_loc_ptr + req, cache_modifier=".cg") // BLOCK_Q + req)) * BLOCK_Q
+    q_start = tl.load(query_start_loc_ptr + req, cache_modifier=".cg")
+    q_len = tl.load(query_start_loc_ptr + req + 1, cache_modifier=".cg") - q_start
     if q_block_start >= q_len:
+        wait_for_previous_kernel(USE_PDL)  # every program waits before it finishes
         return
     if not SPLIT:  # (the split launch's code stays free of this branch)
         if skip_decodes != 0 and q_len == 1:
+            wait_for_previous_kernel(USE_PDL)
             return
-    seq_len = tl.load(seq_lens_ptr + req)
+    seq_len = tl.load(seq_lens_ptr + req, cache_modifier=".cg")
     ctx_len = seq_len - q_len
 
     rows = tl.arange(0, BLOCK_M)
@@ -215,9 +221,6 @@ def _paged_attention_kernel(
     dims = tl.arange(0, HEAD_PAD)
     dim_valid = dims < HEAD_DIM
     q_row = (q_start + tok).to(tl.int64) * stride_query_tok + head * HEAD_DIM
-    q = tl.load(
-        query_ptr + q_row[:, None] + dims[None, :], mask=row_valid[:, None] & dim_valid[None, :], other=0.0
-    )
 
     # Keys this q-block can see: [kv_start, kv_end), cut into TILE_N-wide tiles.
     kv_end = ctx_len + tl.minimum(q_block_start + BLOCK_Q, q_len)
@@ -236,10 +239,23 @@ def _paged_attention_kernel(
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     block_table_row = block_table_ptr + req.to(tl.int64) * stride_block_table
+    # Each tile's blocks are looked up one tile ahead (the first before the wait), so that a
+    # tile's K/V loads do not wait for its block-table load.
+    k_pos = kv_start + tile_lo * TILE_N + tl.arange(0, TILE_N)
+    next_block = tl.load(
+        block_table_row + k_pos // BLOCK_SIZE, mask=(k_pos < kv_end) & (k_pos < kv_start + tile_hi * TILE_N), other=0,
+        cache_modifier=".cg",
+    )
+    wait_for_previous_kernel(USE_PDL)  # q and this step's K/V are written just before
+    q = tl.load(
+        query_ptr + q_row[:, None] + dims[None, :], mask=row_valid[:, None] & dim_valid[None, :], other=0.0
+    )
     for t in range(tile_lo, tile_hi):
         k_pos = kv_start + t * TILE_N + tl.arange(0, TILE_N)
         k_valid = k_pos < kv_end
-        block = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        block = next_block.to(tl.int64)
+        k_next = k_pos + TILE_N
+        next_block = tl.load(block_table_row + k_next // BLOCK_SIZE, mask=k_next < kv_end, other=0)
         kv_offset = (
             block * stride_cache_block + (k_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
         )
@@ -307,11 +323,12 @@ def _reduce_splits_kernel(
     USE_PDL: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)
-    wait_for_previous_kernel(USE_PDL)
     decode = tl.program_id(0)  # request * SPLIT_Q + token, as in the split launch
     head = tl.program_id(1)
-    req = tl.load(decode_req_idx_ptr + decode // SPLIT_Q)
-    tok = (tl.load(query_start_loc_ptr + req) + decode % SPLIT_Q).to(tl.int64)
+    # The step's metadata before the wait, the partials after it (as in the split kernel).
+    req = tl.load(decode_req_idx_ptr + decode // SPLIT_Q, cache_modifier=".cg")
+    tok = (tl.load(query_start_loc_ptr + req, cache_modifier=".cg") + decode % SPLIT_Q).to(tl.int64)
+    wait_for_previous_kernel(USE_PDL)
     _merge_splits(
         out_ptr, partial_m_ptr, partial_l_ptr, partial_acc_ptr, decode, head, tok, num_heads, num_splits,
         stride_out_tok, HEAD_DIM, HEAD_PAD, SPLITS_PAD, "",
