@@ -1,5 +1,5 @@
 #!/bin/bash
-# One GPU (issue 21; for a later session: branch wip/hoist-metadata): rotary, the K/V store,
+# One GPU (issue 21, session 34, call 1; written in session 33 on branch wip/hoist-metadata): rotary, the K/V store,
 # split-K attention and its reduce read the step's metadata before waiting for the kernel
 # before them (PDL), and attention looks each tile's blocks up one tile ahead. First the GPU
 # tests that compare these kernels and whole runs' tokens; then batch-1 decode, this tree and
