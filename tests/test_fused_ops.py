@@ -269,6 +269,35 @@ def test_gemv_matches_the_exact_product(dtype, n, k, bias):
     assert_gemv_matches(out, x, weight, b)
 
 
+def test_gemv_config_takes_all_of_k_in_one_chunk_only_when_unpadded_and_small():
+    """The rule of ``gemv_config`` at the shapes it was measured on (H200, batch 1)."""
+    from pagelm.backends.kernels import gemv
+
+    assert gemv.WHOLE_K_BYTES == 16384  # the default; PAGELM_GEMV_WHOLE_K_BYTES changes it
+    assert gemv.gemv_config(3072, 2048) == (4, 2048, 4)  # Llama-3.2-1B qkv: one chunk
+    assert gemv.gemv_config(2048, 2048) == (4, 2048, 4)  # its o
+    assert gemv.gemv_config(1024, 2048) == (2, 2048, 4)  # Qwen3-0.6B o
+    assert gemv.gemv_config(1024, 3072) == (2, 1024, 4)  # Qwen3-0.6B down: K padded, chunks
+    assert gemv.gemv_config(16384, 2048) == (8, 1024, 4)  # Llama-3.2-1B gate_up: 32 KB, chunks
+    assert gemv.gemv_config(4096, 4096) == (8, 1024, 4)  # Llama-3.1-8B o: chunks
+
+
+@pytest.mark.parametrize("k", [1100, 2048])
+def test_gemv_with_k_in_one_chunk_matches_the_exact_product(k):
+    """All of a program's K in one chunk (masked at 1100, through an explicit config), plain
+    and with the norm prologue."""
+    from pagelm.backends.kernels.gemv import gemv as gemv_kernel
+
+    n, dtype = 40, torch.bfloat16
+    config = (2, 1 << (k - 1).bit_length(), 4)
+    x, weight = randn(1, k, dtype=dtype, seed=k), randn(n, k, dtype=dtype, seed=n, scale=0.1)
+    assert_gemv_matches(gemv_kernel(x, weight, config=config), x, weight, None)
+    norm_weight, residual = randn(k, dtype=dtype, seed=3), randn(1, k, dtype=dtype, seed=2, scale=3.0)
+    out, _ = gemv_kernel(x, weight, norm=(norm_weight, 1e-6, residual), config=config)
+    normed, _ = ops.rms_norm(x, norm_weight, 1e-6, residual, use_triton=True)
+    assert_gemv_matches(out, normed, weight, None)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [200, 1024])  # a masked chunk; exactly one chunk
 def test_gemv_with_silu_input_is_silu_and_mul_then_linear(dtype, k):
