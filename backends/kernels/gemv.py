@@ -231,10 +231,11 @@ INTERPRETED = is_interpreted(_gemv_kernel)
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps)``, from a sweep on an H200 over the projections of
-    Qwen3-0.6B, Llama-3.2-1B and Llama-3.1-8B: 1024-wide chunks of K always won; few rows per
-    program for narrow outputs (so the grid still covers every SM several times), 8 for
-    wide ones; and all of K in one chunk when it is a power of two and the program's rows fit
-    ``WHOLE_K_BYTES`` (so all of them are loaded before the PDL wait)."""
+    Qwen3-0.6B, Llama-3.2-1B and Llama-3.1-8B: few rows per program for narrow outputs (so
+    the grid still covers every SM several times), 8 for wide ones; 1024-wide chunks of K
+    (they won that sweep, before PDL), except all of K in one chunk when it is a power of two
+    and the program's rows fit ``WHOLE_K_BYTES`` (all of them then loaded before the PDL
+    wait, session 35)."""
     block_n = 2 if n <= 1024 else 4 if n <= 3072 else 8
     if k == triton.next_power_of_2(k) and block_n * k * 2 <= WHOLE_K_BYTES:
         return block_n, k, 4
