@@ -19,7 +19,7 @@ from typing import Any
 
 from pagelm.config import EngineConfig
 from pagelm.engine.core_client import EngineDeadError, EngineShuttingDown, InprocCoreClient, MPCoreClient
-from pagelm.engine.core_loop import SchedulerStats, freeze_heap
+from pagelm.engine.core_loop import SchedulerStats, freeze_heap, thaw_heap
 from pagelm.engine.core_output import ENGINE_FAULT, EngineStepError
 from pagelm.engine.input_processor import ProcessedRequest, PromptType
 from pagelm.engine.iteration_stats import IterationStats
@@ -122,6 +122,7 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._started: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
+        self._froze_heap = False
 
     @classmethod
     def from_model(cls, model: str, *, engine_process: bool = True, **engine_args: Any) -> "AsyncLLM":
@@ -136,6 +137,7 @@ class AsyncLLM:
 
     async def _start(self) -> None:
         freeze_heap()  # full collections of the serving loop skip the start-up objects
+        self._froze_heap = True
         await self.core.start()
         self._tasks.append(asyncio.create_task(self._output_loop(), name="pagelm-output-loop"))
         if self.log_stats_interval:
@@ -151,6 +153,9 @@ class AsyncLLM:
         for task in tasks:
             task.cancel()
         self.core.shutdown()
+        if self._froze_heap:
+            self._froze_heap = False
+            thaw_heap()
 
     # ---- requests -------------------------------------------------------------------------
     async def generate(

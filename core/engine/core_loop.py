@@ -99,12 +99,28 @@ def core_facts(core: EngineCore) -> dict[str, int]:
             "num_kv_blocks": core.num_kv_blocks, "block_size": core.config.block_size}
 
 
+_num_frozen_heaps = 0  # engines in this process that froze the heap and have not thawed it
+
+
 def freeze_heap() -> None:
     """Move everything allocated so far (modules, weights' Python objects) out of the garbage
     collector's reach: start-up objects never die, and otherwise each full collection walks
-    them all, stalling the loop."""
+    them all, stalling the loop. An engine that shuts down while its process lives on (an
+    in-process ``AsyncLLM``) calls ``thaw_heap``."""
+    global _num_frozen_heaps
     gc.collect()
     gc.freeze()
+    _num_frozen_heaps += 1
+
+
+def thaw_heap() -> None:
+    """Undo one ``freeze_heap``. The last engine to thaw hands every frozen object back to the
+    collector, so a shut-down engine's cycles (and the GPU memory they hold) can be freed;
+    while another engine still serves, its start-up objects stay frozen."""
+    global _num_frozen_heaps
+    _num_frozen_heaps = max(_num_frozen_heaps - 1, 0)
+    if _num_frozen_heaps == 0:
+        gc.unfreeze()
 
 
 def run_core_loop(
