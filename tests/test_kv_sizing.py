@@ -31,6 +31,17 @@ def test_a_budget_is_capped_by_what_is_free_and_never_negative():
     assert kv_blocks_in_budget(80 * GiB, 4 * GiB, 0, GiB, 0.9, 0, GiB) == 0
 
 
+def test_memory_held_outside_torch_is_warned_about(caplog):
+    """Another process's memory shrinks the pool (it counts against the utilization): the log
+    says how much, so an empty pool is not a mystery; a CUDA context's worth is not warned of."""
+    with caplog.at_level("WARNING", logger="pagelm"):
+        kv_blocks_in_budget(80 * GiB, 60 * GiB, 19 * GiB, 20 * GiB, 0.9, 0, GiB)  # 1 GiB: a context
+        assert not caplog.records
+        kv_blocks_in_budget(80 * GiB, 4 * GiB, 0, GiB, 0.9, 0, GiB)
+    assert "76.00 GiB of this GPU is held outside this process's torch allocator" in caplog.text
+    assert "gpu_memory_utilization=0.90" in caplog.text
+
+
 def test_a_stages_block_holds_only_its_layers():
     class Spec:
         num_kv_heads, head_dim = 2, 16

@@ -123,7 +123,9 @@ class EngineCore:
                 f"the KV cache holds {self.num_kv_blocks} blocks x {config.block_size} = "
                 f"{self.num_kv_blocks * config.block_size} tokens, less than one max_model_len="
                 f"{self.max_model_len} sequence; lower max_model_len, raise gpu_memory_utilization "
-                "or num_kv_blocks, or lower max_num_batched_tokens / max_num_seqs (activations)"
+                "or num_kv_blocks, or lower max_num_batched_tokens / max_num_seqs (activations); "
+                "on a GPU, memory other processes hold counts against gpu_memory_utilization "
+                "(the 'KV sizing' log line says how much)"
             )
         self._on_other_ranks("kv_cache", self.num_kv_blocks)
         self.runner.initialize_kv_cache(self.num_kv_blocks)

@@ -20,6 +20,9 @@ logger = logging.getLogger("pagelm")
 
 # Decode graphs allocate their activations from a private pool, outside the profiled peak.
 CUDA_GRAPH_RESERVE = 512 << 20
+# More memory than a CUDA context takes held outside torch's allocator: other processes, most
+# likely, and they count against ``gpu_memory_utilization`` (worth a warning).
+FOREIGN_MEMORY_WARNING = 2 << 30
 
 
 def num_kv_blocks(config, runner, layers, max_model_len: int) -> int:
@@ -63,6 +66,12 @@ def kv_blocks_in_budget(
     for CUDA graphs and ``encoder_cache`` for a full encoder cache (allocated later, like
     the graphs), using at most ``utilization`` of the card."""
     not_torch = total - free - reserved
+    if not_torch > FOREIGN_MEMORY_WARNING:
+        logger.warning(
+            "KV sizing: %.2f GiB of this GPU is held outside this process's torch allocator "
+            "(CUDA context, other processes); it counts against gpu_memory_utilization=%.2f",
+            not_torch / 2**30, utilization,
+        )
     later = graphs + encoder_cache
     budget = min(total * utilization - peak - not_torch - later, free - later)
     logger.info(
