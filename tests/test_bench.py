@@ -173,6 +173,32 @@ def test_latency_runs_end_to_end_against_hf(llama_dir, tmp_path, capsys):
     assert "pagelm/HF" in capsys.readouterr().out
 
 
+def test_latency_profiles_a_step_operator_by_operator(llama_dir, tmp_path, capsys):
+    """``--profile-kernels``: on the CPU the torch operators of one more run, per engine step.
+    Every step of the tiny Llama runs one matmul per projection (qkv, o, gate_up, down) per
+    layer and one for the LM head."""
+    from transformers import AutoConfig
+
+    out = tmp_path / "latency.json"
+    rc = main([
+        "bench", "latency", "--model", str(llama_dir), "--batch-sizes", "1", "--input-len", "8",
+        "--output-len", "5", "--iters", "1", "--profile-kernels", "3", "--json", str(out),
+    ])
+    assert rc == 0
+    profile = json.loads(out.read_text())["results"][0]["kernel_profile"]
+    assert profile["device"] == "cpu" and profile["num_steps"] == 5
+    rows = {r["name"]: r for r in profile["kernels"]}
+    num_layers = AutoConfig.from_pretrained(llama_dir).num_hidden_layers
+    assert rows["aten::mm"]["per_step"] == 4 * num_layers + 1
+    assert profile["busy_us_per_step"] == pytest.approx(sum(r["us_per_step"] for r in profile["kernels"]))
+    times = [r["us_per_step"] for r in profile["kernels"]]
+    assert times == sorted(times, reverse=True) and times[0] > 0
+    printed = capsys.readouterr().out
+    assert "torch operator (self time, CPU)" in printed and "outside them" in printed
+    with pytest.raises(SystemExit, match="--profile-kernels must be >= 0"):
+        main(["bench", "latency", "--model", str(llama_dir), "--profile-kernels", "-1"])
+
+
 def test_throughput_fixed_runs_end_to_end_against_hf(llama_dir, tmp_path):
     out = tmp_path / "throughput.json"
     rc = main([

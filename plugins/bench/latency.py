@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pagelm.plugins.bench.hf_compare import HFLatency, build_hf_model, hf_generate_latency, release_memory
+from pagelm.plugins.bench.kernel_profile import KernelProfile, profile_steps
 from pagelm.plugins.bench.paired import EngineProcess, PairedRuns, RunTimes, run_in_turns
 from pagelm.plugins.bench.presets import DEMO, PRESETS, resolve_bench_model
 from pagelm.plugins.bench.roofline import DecodeCost, decode_avg_context, device_name, measure_copy_bandwidth
@@ -107,6 +108,12 @@ def add_parser(sub) -> None:
         "--hf-output-len", type=int,
         help="output tokens per HF request (default: --output-len); per-token figures stay comparable",
     )
+    p.add_argument(
+        "--profile-kernels", type=int, default=0, metavar="N",
+        help="after each batch size's timed runs, profile one more run and print its N kernels that take "
+        "the most time a step (on the CPU: torch operators), with launches a step and the time no kernel "
+        "runs; the whole table goes into --json (0: off)",
+    )
     p.add_argument("--json", type=Path, help="write the results to this JSON file")
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -137,6 +144,7 @@ class LatencyResult:
     spec: SpecCounts | None = None  # with --speculative-config
     spec_off: SpecOffLatency | None = None  # with --compare spec-off
     paired_speedups: list[float] | None = None  # with --paired: plain TPOT / speculative TPOT, run by run
+    kernel_profile: KernelProfile | None = None  # with --profile-kernels
 
     @property
     def hf_ratio(self) -> float | None:
@@ -386,6 +394,9 @@ def run(args: argparse.Namespace) -> int:
                          "give --speculative-config JSON")
     if args.paired and args.compare != "spec-off":
         raise SystemExit("--paired times speculative and plain decoding in turns: give it with --compare spec-off")
+    if args.profile_kernels < 0 or (args.profile_kernels and args.paired):
+        raise SystemExit("--profile-kernels must be >= 0 (the rows to print), and profiles this process's "
+                         "engine: not with --paired")
     if max(batch_sizes) > config.max_num_seqs:
         raise SystemExit(f"batch size {max(batch_sizes)} > max_num_seqs={config.max_num_seqs}: raise --max-num-seqs")
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -447,6 +458,11 @@ def run(args: argparse.Namespace) -> int:
             e2e, ttft, tpot, spec = measure_pagelm(llm, b, args, vocab_size, tokenizer)
             results.append(result(b, e2e, ttft, tpot, spec, spec_off.get(b)))
             print_row(results[-1])
+            if args.profile_kernels:
+                results[-1].kernel_profile = profile_steps(
+                    lambda: timed_generate(llm, b, args, vocab_size, tokenizer, args.iters), args.output_len, device,
+                )
+                results[-1].kernel_profile.print(args.profile_kernels, tpot)
 
     if args.json:
         args.json.write_text(json.dumps({
