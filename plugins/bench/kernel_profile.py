@@ -1,9 +1,9 @@
 """``pagelm bench latency --profile-kernels N``: where a batch's step goes, kernel by kernel.
 
 After a batch size's timed runs, one more ``generate`` of the same shape runs under
-``torch.profiler``. On a GPU it records the device's kernels (CUDA graph replays included:
-the profiler sees each kernel a replay runs); on the CPU, where there are no kernels, the
-torch operators' own (self) time. The table divides by the run's engine steps (``output_len``:
+``torch.profiler``. On a GPU it records the device's kernels (those of CUDA graph replays
+as CUPTI reports them: one by one where it traces graph nodes; not yet checked on a GPU); on
+the CPU, where there are no kernels, the torch operators' own (self) time. The table divides by the run's engine steps (``output_len``:
 one prefill step, the rest decode steps), so a row reads "launches a step, microseconds a
 step"::
 
